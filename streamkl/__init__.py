@@ -1,0 +1,11 @@
+"""streamkl: the KL divergence between two attention distributions, fused, O(Nq) memory.
+
+Importing streamkl registers torch.ops.streamkl.attn_kl and needs torch alone; triton and
+cuda-python are imported only when their backend runs.
+"""
+
+from ._dispatch import available_backends
+from .api import attn_kl
+
+__all__ = ["attn_kl", "available_backends"]
+__version__ = "0.1.0"

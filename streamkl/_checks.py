@@ -1,0 +1,127 @@
+"""Validation that holds for every backend (SPEC section 5): runs before any kernel, raises
+ValueError/TypeError naming the argument and what was expected."""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+REDUCTIONS = ("none", "sum", "mean")
+
+
+class Problem(NamedTuple):
+    """Sizes of one call, read off validated inputs."""
+
+    batch: int
+    heads: int
+    heads_kv1: int
+    heads_kv2: int
+    nq: int
+    nk: int
+    d1: int
+    d2: int
+
+
+def check_reduction(reduction: str) -> None:
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+
+
+def check_inputs(q1, k1, q2, k2, cu_seqlens=None, max_seqlen=None) -> Problem:
+    """Shapes, dtypes and devices. Metadata only: safe on fake tensors and under tracing."""
+    names = ("q1", "k1", "q2", "k2")
+    tensors = (q1, k1, q2, k2)
+    for name, t in zip(names, tensors):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            layout = "(B, H, Nq, D)" if name.startswith("q") else "(B, H_kv, Nk, D)"
+            raise ValueError(f"{name} must be 4-D {layout}, got shape {tuple(t.shape)}")
+        if t.dtype not in _DTYPES:
+            raise TypeError(f"{name} has dtype {t.dtype}; expected one of float16, bfloat16, "
+                            "float32, float64")
+    for q_name, k_name, q, k in (("q1", "k1", q1, k1), ("q2", "k2", q2, k2)):
+        if q.dtype != k.dtype:
+            raise TypeError(f"{q_name} and {k_name} must share a dtype, got {q.dtype} and {k.dtype}")
+        if q.shape[-1] != k.shape[-1]:
+            raise ValueError(f"{q_name} and {k_name} must share the head dim, got {q.shape[-1]} "
+                             f"and {k.shape[-1]}")
+        if q.shape[-1] == 0:
+            raise ValueError(f"{q_name} has head dim 0; expected at least 1")
+    devices = {t.device for t in tensors}
+    if len(devices) != 1:
+        raise ValueError(f"q1, k1, q2, k2 must be on one device, got {sorted(map(str, devices))}")
+    b, h, nq = q1.shape[:3]
+    for name, t in zip(names, tensors):
+        if t.shape[0] != b:
+            raise ValueError(f"{name} has batch {t.shape[0]}; expected {b} (the batch of q1)")
+    if tuple(q2.shape[:3]) != (b, h, nq):
+        raise ValueError(f"q2 must have (B, H, Nq) = {(b, h, nq)} like q1, got {tuple(q2.shape[:3])}")
+    nk = k1.shape[2]
+    if k2.shape[2] != nk:
+        raise ValueError(f"k2 has {k2.shape[2]} keys; expected Nk = {nk} like k1")
+    for name, k in (("k1", k1), ("k2", k2)):
+        hk = k.shape[1]
+        if hk == 0 or h % hk != 0:
+            raise ValueError(f"{name} has {hk} heads; the {h} query heads must be a multiple of it")
+    if cu_seqlens is not None:
+        _check_cu_seqlens_meta(cu_seqlens, b, nq, nk, q1.device)
+        if max_seqlen is not None and (not isinstance(max_seqlen, int) or max_seqlen < 0):
+            raise ValueError(f"max_seqlen must be a non-negative int, got {max_seqlen!r}")
+    elif max_seqlen is not None:
+        raise ValueError("max_seqlen is only meaningful with cu_seqlens")
+    return Problem(b, h, k1.shape[1], k2.shape[1], nq, nk, q1.shape[-1], q2.shape[-1])
+
+
+def _check_cu_seqlens_meta(cu_seqlens, b, nq, nk, device) -> None:
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"cu_seqlens must be a torch.Tensor, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype != torch.int32:
+        raise TypeError(f"cu_seqlens must be int32, got {cu_seqlens.dtype}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
+        raise ValueError("cu_seqlens must be 1-D (num_seqs + 1,) with at least 2 entries, got "
+                         f"shape {tuple(cu_seqlens.shape)}")
+    if cu_seqlens.device != device:
+        raise ValueError(f"cu_seqlens is on {cu_seqlens.device}; expected {device} like q1")
+    if b != 1:
+        raise ValueError(f"packed sequences (cu_seqlens) need batch 1, got B = {b}")
+    if nq != nk:
+        raise ValueError(f"packed sequences share offsets between queries and keys, so Nq must "
+                         f"equal Nk; got Nq = {nq}, Nk = {nk}")
+
+
+def check_cu_seqlens_values(cu_seqlens, total: int) -> int:
+    """Reads cu_seqlens (one host sync): starts at 0, never decreases, ends at the total length.
+    Returns the longest sequence."""
+    offsets = cu_seqlens.tolist()
+    if offsets[0] != 0:
+        raise ValueError(f"cu_seqlens must start at 0, got {offsets[0]}")
+    lengths = [b - a for a, b in zip(offsets[:-1], offsets[1:])]
+    if any(n < 0 for n in lengths):
+        raise ValueError(f"cu_seqlens must be non-decreasing, got {offsets}")
+    if offsets[-1] != total:
+        raise ValueError(f"cu_seqlens must end at the total length {total}, got {offsets[-1]}")
+    return max(lengths)
+
+
+def resolve_scale(scale, head_dim: int, name: str) -> float:
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"{name} must be a float or None, got {type(scale).__name__}")
+    if not math.isfinite(scale):
+        raise ValueError(f"{name} must be finite, got {scale}")
+    return float(scale)
+
+
+def visible_rows(problem: Problem, causal: bool, varlen: bool) -> int:
+    """How many (b, h, i) rows see at least one key: the divisor of reduction='mean'."""
+    if problem.nk == 0:
+        return 0
+    rows = problem.nq
+    if causal and not varlen:  # bottom-right: row i sees keys j <= i + Nk - Nq
+        rows = min(problem.nq, problem.nk)
+    return problem.batch * problem.heads * rows

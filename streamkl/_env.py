@@ -1,0 +1,34 @@
+"""Every STREAMKL_* environment variable, read when used (never frozen at import)."""
+
+from __future__ import annotations
+
+import os
+
+BACKENDS = ("auto", "reference", "triton", "cuda")
+
+
+def backend() -> str:
+    """STREAMKL_BACKEND: auto (default) | reference | triton | cuda."""
+    name = os.environ.get("STREAMKL_BACKEND", "auto").strip().lower() or "auto"
+    if name not in BACKENDS:
+        raise ValueError(
+            f"STREAMKL_BACKEND={name!r} is not a backend; expected one of {', '.join(BACKENDS)}"
+        )
+    return name
+
+
+def reference_chunk() -> int | None:
+    """STREAMKL_REFERENCE_CHUNK: query rows per chunk of the reference backend (default: sized
+    so that one chunk's logits take about 64 MiB)."""
+    value = os.environ.get("STREAMKL_REFERENCE_CHUNK")
+    if value is None or value == "":
+        return None
+    chunk = int(value)
+    if chunk < 1:
+        raise ValueError(f"STREAMKL_REFERENCE_CHUNK must be a positive integer, got {value!r}")
+    return chunk
+
+
+def triton_interpret() -> bool:
+    """TRITON_INTERPRET=1 lets the triton backend run on CPU tensors (tests only)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"

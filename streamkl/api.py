@@ -1,0 +1,28 @@
+"""The public entry point."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import _ops  # noqa: F401  (registers torch.ops.streamkl.*)
+
+
+def attn_kl(q1: Tensor, k1: Tensor, q2: Tensor, k2: Tensor, *, causal: bool = False,
+            scale1: float | None = None, scale2: float | None = None, reduction: str = "none",
+            cu_seqlens: Tensor | None = None, max_seqlen: int | None = None,
+            backend: str | None = None) -> Tensor:
+    """KL(softmax(scale1 q1 k1^T) || softmax(scale2 q2 k2^T)) per query row, in one fused pass.
+
+    q1 (B, H, Nq, D1), k1 (B, H_kv1, Nk, D1): the teacher.  q2 (B, H, Nq, D2), k2 (B, H_kv2, Nk,
+    D2): the student. H_kv divides H (GQA); D1 and D2, Nq and Nk may differ; any strides.
+    causal: bottom-right aligned (row i sees keys j <= i + Nk - Nq); rows that see no key give 0.
+    scale1/scale2: default 1/sqrt(D). reduction: "none" -> (B, H, Nq), "sum", or "mean" over the
+    rows that see a key. cu_seqlens: int32 (num_seqs + 1,) offsets of packed sequences (B == 1,
+    shared by queries and keys); max_seqlen: the longest one, if known (saves a host sync).
+    backend: "reference", "triton", "cuda" or "auto"; default: STREAMKL_BACKEND, else auto.
+    Returns float32 (float64 for float64 inputs); differentiable in all four inputs.
+    """
+    return torch.ops.streamkl.attn_kl(q1, k1, q2, k2, causal=causal, scale1=scale1,
+                                      scale2=scale2, reduction=reduction, cu_seqlens=cu_seqlens,
+                                      max_seqlen=max_seqlen, backend=backend)

@@ -1,0 +1,19 @@
+"""Optimized backends. Each subpackage exposes the same three functions and imports its optional
+dependency (triton, cuda-python) only inside them, so importing streamkl needs torch alone.
+
+    supports(q1, k1, q2, k2, cu_seqlens) -> str | None
+        None when the backend can run these (already validated) inputs, else the reason it cannot.
+
+    forward(q1, k1, q2, k2, *, causal, scale1, scale2, cu_seqlens, max_seqlen)
+        -> (kl, lse1, lse2), each (B, H, Nq) float32, fresh and contiguous.
+        Rows that see no key: kl = 0, lse = -inf.
+
+    backward(grad_kl, q1, k1, q2, k2, kl, lse1, lse2, *, causal, scale1, scale2,
+             cu_seqlens, max_seqlen, needs) -> (dq1, dk1, dq2, dk2)
+        grad_kl is (B, H, Nq) float32 contiguous; needs is a 4-tuple of bools; a gradient that is
+        not needed is None, the others have their input's shape and dtype (contiguous).
+
+Inputs arrive validated by streamkl._checks (shapes, dtypes, devices, cu_seqlens values) with
+scale1/scale2 resolved to floats and, for packed sequences (B == 1, Nq == Nk == total tokens),
+max_seqlen resolved to a host int. Any strides: backends must not copy whole inputs.
+"""
