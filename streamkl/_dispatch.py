@@ -44,6 +44,8 @@ def select(q1, k1, q2, k2, cu_seqlens=None, backend: str | None = None):
         raise ValueError(f"backend={backend!r} is not a backend; expected one of "
                          f"{', '.join(_env.BACKENDS)}")
     if name == "auto":
+        if q1.device.type == "cpu":  # triton runs CPU tensors only in its (slow) interpreter
+            return _module("reference")
         for candidate in _MODULES:
             if why_not(candidate, q1, k1, q2, k2, cu_seqlens) is None:
                 return _module(candidate)
