@@ -1,0 +1,116 @@
+"""Launch configurations and the two selection rules (split-K forward, fused backward).
+
+Configs are a fixed table keyed on (D1P, D2P, dtype, causal), measured on an H200 with
+benchmarks/triton_tune.py (numbers in docs/triton.md): nothing is tuned at run time, so a
+training loop compiles each specialization once and never re-times anything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+H200_SMS = 132
+
+
+@dataclass(frozen=True)
+class Cfg:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def pow2_dim(d: int) -> int:
+    """Head dim padded to the next power of two, at least 16 (tl.dot's minimum)."""
+    p = 16
+    while p < d:
+        p *= 2
+    return p
+
+
+def _next_pow2(n: int) -> int:
+    p = 1
+    while p < n:
+        p *= 2
+    return p
+
+
+# Forward: (max(D1P, D2P) bucket, is fp32) -> Cfg. Filled from the H200 sweep of
+# benchmarks/triton_tune.py (see docs/triton.md); BLOCK_M shrinks for small Nq at launch time.
+_FWD = {
+    (64, False): Cfg(128, 64, 4, 3),
+    (128, False): Cfg(128, 64, 8, 3),
+    (256, False): Cfg(64, 32, 4, 2),
+    (64, True): Cfg(64, 32, 4, 2),
+    (128, True): Cfg(64, 32, 4, 2),
+    (256, True): Cfg(32, 32, 4, 1),
+}
+# Backward query-major (dq) and key-major (dk / fused) kernels.
+_BWD_Q = {
+    (64, False): Cfg(128, 64, 8, 2),
+    (128, False): Cfg(128, 64, 8, 2),
+    (256, False): Cfg(64, 32, 4, 1),
+    (64, True): Cfg(64, 32, 4, 1),
+    (128, True): Cfg(64, 32, 4, 1),
+    (256, True): Cfg(32, 16, 4, 1),
+}
+_BWD_K = {
+    (64, False): Cfg(64, 128, 8, 2),
+    (128, False): Cfg(64, 128, 8, 2),
+    (256, False): Cfg(32, 64, 4, 1),
+    (64, True): Cfg(32, 64, 4, 1),
+    (128, True): Cfg(32, 64, 4, 1),
+    (256, True): Cfg(16, 32, 4, 1),
+}
+
+# Overrides set by benchmarks/triton_tune.py while it sweeps; None in normal use.
+OVERRIDE: dict[str, Cfg | None] = {"fwd": None, "bwd_q": None, "bwd_k": None}
+
+INTERPRET_CFG = Cfg(16, 16, 4, 1)  # tiny tiles, so the CPU tests cross tile boundaries
+
+
+def _key(d1p: int, d2p: int, dtype: torch.dtype) -> tuple[int, bool]:
+    d = max(d1p, d2p, 64)
+    return (min(d, 256), dtype == torch.float32)
+
+
+def fwd_cfg(d1p: int, d2p: int, dtype: torch.dtype, causal: bool, nq: int, interpret: bool) -> Cfg:
+    if OVERRIDE["fwd"] is not None:
+        cfg = OVERRIDE["fwd"]
+    elif interpret:
+        cfg = INTERPRET_CFG
+    else:
+        cfg = _FWD[_key(d1p, d2p, dtype)]
+    # Decode-sized Nq: a BLOCK_M no larger than Nq (at least 16, tl.dot's minimum).
+    bm = max(16, min(cfg.block_m, _next_pow2(nq)))
+    return Cfg(bm, cfg.block_n, cfg.num_warps if bm >= 64 else 4, cfg.num_stages)
+
+
+def bwd_cfgs(d1p: int, d2p: int, dtype: torch.dtype, causal: bool, interpret: bool) -> tuple[Cfg, Cfg]:
+    if interpret:
+        q, k = INTERPRET_CFG, INTERPRET_CFG
+    else:
+        q, k = _BWD_Q[_key(d1p, d2p, dtype)], _BWD_K[_key(d1p, d2p, dtype)]
+    return OVERRIDE["bwd_q"] or q, OVERRIDE["bwd_k"] or k
+
+
+def split_count(n_ctas: int, nk_tiles: int, num_sms: int, forced: int | None) -> int:
+    """Key-axis splits for the forward. `forced` (STREAMKL_TRITON_SPLIT_K=N) wins; 1 = off.
+
+    Rule: split only when the plain grid (n_ctas = B*H*cdiv(Nq, BLOCK_M) programs) fills less
+    than one wave of the SMs; then aim at about two programs per SM, keeping at least
+    MIN_TILES key tiles per split so the merge stays negligible. Measured on the H200
+    (B=1, H=32, D=128, bf16, Nk=32K; docs/triton.md): see SPLIT_NOTE below.
+    """
+    if forced is not None:
+        return max(1, min(forced, nk_tiles))
+    if n_ctas >= num_sms:
+        return 1
+    splits = min(-(-2 * num_sms // n_ctas), nk_tiles // MIN_TILES, 256)
+    return splits if splits >= 2 else 1
+
+
+MIN_TILES = 4
+SPLIT_NOTE = "placeholder until the H200 sweep"
