@@ -26,7 +26,7 @@ class Problem(NamedTuple):
 
 
 def check_reduction(reduction: str) -> None:
-    if reduction not in REDUCTIONS:
+    if not isinstance(reduction, str) or reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
 
 
@@ -105,6 +105,14 @@ def check_cu_seqlens_values(cu_seqlens, total: int) -> int:
     if offsets[-1] != total:
         raise ValueError(f"cu_seqlens must end at the total length {total}, got {offsets[-1]}")
     return max(lengths)
+
+
+def check_call(q1, k1, q2, k2, *, scale1, scale2, reduction, cu_seqlens, max_seqlen):
+    """Everything checkable from metadata for one public call: (problem, scale1, scale2)."""
+    check_reduction(reduction)
+    problem = check_inputs(q1, k1, q2, k2, cu_seqlens, max_seqlen)
+    return (problem, resolve_scale(scale1, problem.d1, "scale1"),
+            resolve_scale(scale2, problem.d2, "scale2"))
 
 
 def resolve_scale(scale, head_dim: int, name: str) -> float:

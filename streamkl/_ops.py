@@ -110,10 +110,9 @@ _lib.define(
 
 def _attn_kl(q1, k1, q2, k2, *, causal=False, scale1=None, scale2=None, reduction="none",
              cu_seqlens=None, max_seqlen=None, backend=None):
-    _checks.check_reduction(reduction)
-    problem = _checks.check_inputs(q1, k1, q2, k2, cu_seqlens, max_seqlen)
-    scale1 = _checks.resolve_scale(scale1, problem.d1, "scale1")
-    scale2 = _checks.resolve_scale(scale2, problem.d2, "scale2")
+    problem, scale1, scale2 = _checks.check_call(q1, k1, q2, k2, scale1=scale1, scale2=scale2,
+                                                 reduction=reduction, cu_seqlens=cu_seqlens,
+                                                 max_seqlen=max_seqlen)
     kl, _, _ = attn_kl_fwd(q1, k1, q2, k2, causal, scale1, scale2, cu_seqlens, max_seqlen,
                            backend)
     if reduction == "none":

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import _ops  # noqa: F401  (registers torch.ops.streamkl.*)
+from . import _checks, _ops  # noqa: F401  (_ops registers torch.ops.streamkl.*)
 
 
 def attn_kl(q1: Tensor, k1: Tensor, q2: Tensor, k2: Tensor, *, causal: bool = False,
@@ -23,6 +23,11 @@ def attn_kl(q1: Tensor, k1: Tensor, q2: Tensor, k2: Tensor, *, causal: bool = Fa
     backend: "reference", "triton", "cuda" or "auto"; default: STREAMKL_BACKEND, else auto.
     Returns float32 (float64 for float64 inputs); differentiable in all four inputs.
     """
+    # Type errors surface here, named, rather than as the op schema's parse error.
+    _checks.check_call(q1, k1, q2, k2, scale1=scale1, scale2=scale2, reduction=reduction,
+                       cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+    if backend is not None and not isinstance(backend, str):
+        raise TypeError(f"backend must be a str or None, got {type(backend).__name__}")
     return torch.ops.streamkl.attn_kl(q1, k1, q2, k2, causal=causal, scale1=scale1,
                                       scale2=scale2, reduction=reduction, cu_seqlens=cu_seqlens,
                                       max_seqlen=max_seqlen, backend=backend)

@@ -1,0 +1,100 @@
+"""Hypothesis properties of the op on CPU, against the float64 oracle."""
+
+import math
+import os
+
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import streamkl
+from streamkl.testing import assert_kl_close, make_inputs
+
+from .oracle import oracle
+
+settings.register_profile("ci", max_examples=200, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("dev", max_examples=40, deadline=None)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@st.composite
+def problems(draw, dtype=None):
+    hk1 = draw(st.sampled_from([1, 2]))
+    hk2 = draw(st.sampled_from([1, 2]))
+    h = hk1 * hk2 * draw(st.sampled_from([1, 2]))
+    return dict(
+        b=draw(st.integers(1, 2)), h=h, hk1=hk1, hk2=hk2,
+        nq=draw(st.integers(1, 24)), nk=draw(st.integers(1, 24)),
+        d1=draw(st.integers(1, 20)), d2=draw(st.integers(1, 20)),
+        dtype=dtype or draw(st.sampled_from([torch.float64, torch.float32, torch.bfloat16])),
+        layout=draw(st.sampled_from(["bhnd", "bnhd"])), seed=draw(st.integers(0, 2**31)),
+        std=draw(st.sampled_from([0.1, 1.0, 3.0])),
+    )
+
+
+@given(problems(), st.booleans())
+def test_agrees_with_oracle(problem, causal):
+    inputs = make_inputs(**problem)
+    assert_kl_close(streamkl.attn_kl(*inputs, causal=causal), oracle(*inputs, causal=causal)[0],
+                    problem["dtype"])
+
+
+@given(problems(torch.float64), st.booleans())
+def test_kl_is_non_negative(problem, causal):
+    assert (streamkl.attn_kl(*make_inputs(**problem), causal=causal) >= -1e-12).all()
+
+
+@given(problems(torch.float32), st.booleans())
+def test_kl_of_a_distribution_with_itself_is_zero(problem, causal):
+    problem.update(d2=problem["d1"], hk2=problem["hk1"])
+    q1, k1, _, _ = make_inputs(**problem)
+    assert streamkl.attn_kl(q1, k1, q1, k1, causal=causal).abs().max() <= 1e-5
+
+
+@given(problems(torch.float64), st.booleans(), st.integers(1, 30))
+def test_chunk_size_does_not_change_the_result(problem, causal, chunk):
+    inputs = make_inputs(**problem)
+    whole = streamkl.attn_kl(*inputs, causal=causal)
+    os.environ["STREAMKL_REFERENCE_CHUNK"] = str(chunk)
+    try:
+        chunked = streamkl.attn_kl(*inputs, causal=causal)
+    finally:
+        del os.environ["STREAMKL_REFERENCE_CHUNK"]
+    torch.testing.assert_close(chunked, whole, rtol=1e-12, atol=1e-12)
+
+
+@given(problems(torch.float64), st.booleans())
+def test_uniform_student_gives_log_n_minus_entropy(problem, causal):
+    """q2 = 0 makes P2 uniform over the n visible keys: KL = log n - H(P1)."""
+    q1, k1, q2, k2 = make_inputs(**problem)
+    kl = streamkl.attn_kl(q1, k1, torch.zeros_like(q2), k2, causal=causal)
+    nq, nk = q1.shape[2], k1.shape[2]
+    visible = torch.arange(nq)[:, None] + (nk - nq) >= torch.arange(nk)[None, :]
+    if not causal:
+        visible = torch.ones_like(visible)
+    s1 = (q1 @ k1.repeat_interleave(q1.shape[1] // k1.shape[1], 1).transpose(-1, -2))
+    s1 = (s1 / math.sqrt(q1.shape[-1])).masked_fill(~visible, -math.inf)
+    logp1 = torch.log_softmax(s1, -1)
+    entropy = -(logp1.exp() * logp1.masked_fill(~visible, 0)).sum(-1)
+    n = visible.sum(-1).double()
+    expected = torch.where(n > 0, n.clamp_min(1).log() - entropy, 0.0)
+    torch.testing.assert_close(kl, expected.nan_to_num(0.0), rtol=1e-9, atol=1e-9)
+
+
+@given(problems(torch.float32), st.booleans(), st.sampled_from([1e2, 1e3, 1e4]))
+def test_no_nan_at_extreme_logits(problem, causal, magnitude):
+    """Logits up to `magnitude` (scale chosen so the largest |S| reaches it): finite KL and
+    gradients, and still the oracle's value."""
+    inputs = make_inputs(**problem, requires_grad=True)
+    q1, k1, q2, k2 = inputs
+    s1 = magnitude / (q1 @ k1.repeat_interleave(q1.shape[1] // k1.shape[1], 1).mT).abs().amax()
+    s2 = magnitude / (q2 @ k2.repeat_interleave(q2.shape[1] // k2.shape[1], 1).mT).abs().amax()
+    s1, s2 = s1.item(), s2.item()
+    kl = streamkl.attn_kl(*inputs, causal=causal, scale1=s1, scale2=s2)
+    assert torch.isfinite(kl).all()
+    ref = oracle(*inputs, causal=causal, scale1=s1, scale2=s2)[0]
+    # fp32 logits of size M carry ~M * 6e-8 * sqrt(D) rounding each; budget 1e-6 * M per row
+    assert ((kl.detach().double() - ref).abs() <= 1e-6 * magnitude * ref.abs().clamp_min(1)).all()
+    kl.sum().backward()
+    assert all(torch.isfinite(t.grad).all() for t in inputs)
