@@ -11,8 +11,6 @@ Fakes depend only on shapes and dtypes, so a compiled graph is valid whatever ba
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import Tensor
 
@@ -36,9 +34,9 @@ def _resolve_varlen(cu_seqlens, max_seqlen, nq):
 
 @torch.library.custom_op("streamkl::attn_kl_fwd", mutates_args=())
 def attn_kl_fwd(q1: Tensor, k1: Tensor, q2: Tensor, k2: Tensor, causal: bool, scale1: float,
-                scale2: float, cu_seqlens: Optional[Tensor] = None,
-                max_seqlen: Optional[int] = None,
-                backend: Optional[str] = None) -> tuple[Tensor, Tensor, Tensor]:
+                scale2: float, cu_seqlens: Tensor | None = None,
+                max_seqlen: int | None = None,
+                backend: str | None = None) -> tuple[Tensor, Tensor, Tensor]:
     problem = _checks.check_inputs(q1, k1, q2, k2, cu_seqlens, max_seqlen)
     max_seqlen = _resolve_varlen(cu_seqlens, max_seqlen, problem.nq)
     module = _dispatch.select(q1, k1, q2, k2, cu_seqlens, backend)
@@ -59,8 +57,8 @@ def _(q1, k1, q2, k2, causal, scale1, scale2, cu_seqlens=None, max_seqlen=None, 
 @torch.library.custom_op("streamkl::attn_kl_bwd", mutates_args=())
 def attn_kl_bwd(grad_kl: Tensor, q1: Tensor, k1: Tensor, q2: Tensor, k2: Tensor, kl: Tensor,
                 lse1: Tensor, lse2: Tensor, causal: bool, scale1: float, scale2: float,
-                cu_seqlens: Optional[Tensor], max_seqlen: Optional[int], needs: list[bool],
-                backend: Optional[str] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                cu_seqlens: Tensor | None, max_seqlen: int | None, needs: list[bool],
+                backend: str | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     problem = _checks.check_inputs(q1, k1, q2, k2, cu_seqlens, max_seqlen)
     max_seqlen = _resolve_varlen(cu_seqlens, max_seqlen, problem.nq)
     module = _dispatch.select(q1, k1, q2, k2, cu_seqlens, backend)

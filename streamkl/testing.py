@@ -99,3 +99,81 @@ def assert_kl_close(kl: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> 
     err = (kl - ref).abs()
     worst = (err / bound).max().item() if err.numel() else 0.0
     assert worst <= 1.0, f"KL off by {err.max().item():.3e} (worst row at {worst:.2f}x the budget)"
+
+
+def time_ms(fn, device: torch.device, repeats: int = 20, warmup: int = 3) -> float:
+    """Median milliseconds of fn(): device events through triton.testing.do_bench on CUDA
+    (warm-up excluded), perf_counter around synchronous calls on CPU."""
+    if device.type == "cuda":
+        try:
+            from triton.testing import do_bench
+        except ImportError:
+            do_bench = None
+        if do_bench is not None:
+            return float(do_bench(fn, warmup=25, rep=100, return_mode="median"))
+        times = []
+        for i in range(warmup + repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            if i >= warmup:
+                times.append(start.elapsed_time(end))
+        return sorted(times)[len(times) // 2]
+    import time
+
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+class _LiveBytes(torch.utils._python_dispatch.TorchDispatchMode):
+    """Tracks the bytes of tensors that ops allocate and that are still alive (CPU stand-in for
+    torch.cuda.max_memory_allocated)."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self._seen = set()
+
+    def _free(self, key, nbytes):
+        self._seen.discard(key)
+        self.live -= nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        import weakref
+
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t._base is None:
+                storage = t.untyped_storage()
+                key = storage.data_ptr()
+                if key in self._seen or storage.nbytes() == 0:
+                    continue
+                self._seen.add(key)
+                self.live += storage.nbytes()
+                self.peak = max(self.peak, self.live)
+                weakref.finalize(t, self._free, key, storage.nbytes())
+        return out
+
+
+def peak_extra_bytes(fn, device: torch.device) -> int:
+    """Peak bytes allocated while fn() runs beyond what was allocated before it (outputs
+    included: subtract them yourself)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        fn()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated(device) - before
+    with _LiveBytes() as mode:
+        fn()
+    return mode.peak

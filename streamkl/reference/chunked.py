@@ -177,13 +177,9 @@ def backward(grad_kl, q1, k1, q2, k2, kl, lse1, lse2, *, causal, scale1, scale2,
         nq = q1.shape[2]
         for start, end in _segments(cu_seqlens, nq):
             seq = slice(start, end) if cu_seqlens is not None else slice(None)
-
-            def part(t):
-                return None if t is None else t[:, :, seq]
-
+            part = [None if t is None else t[:, :, seq] for t in (*inputs, *acc)]
             _backward_dense_rows(
-                grad_kl[:, :, seq], part(q1), part(k1), part(q2), part(k2), kl[:, :, seq],
-                lse1[:, :, seq], lse2[:, :, seq], causal, scale1, scale2, needs,
-                [part(a) for a in acc] + [dtype],
+                grad_kl[:, :, seq], *part[:4], kl[:, :, seq], lse1[:, :, seq], lse2[:, :, seq],
+                causal, scale1, scale2, needs, part[4:] + [dtype],
             )
     return tuple(None if a is None else a.to(t.dtype) for a, t in zip(acc, inputs))
