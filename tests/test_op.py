@@ -98,9 +98,8 @@ def test_gradcheck_float64(case):
     assert torch.autograd.gradcheck(lambda *t: streamkl.attn_kl(*t, **kw), inputs)
 
 
+@pytest.mark.gpu
 def test_matches_oracle_on_cuda_tensors_with_reference():
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
     inputs = make_inputs(h=2, nq=9, nk=9, dtype=torch.float32, device="cuda")
     out = streamkl.attn_kl(*inputs, backend="reference")
     torch.testing.assert_close(out.cpu().double(), oracle(*inputs)[0], atol=1e-4, rtol=1e-4)
