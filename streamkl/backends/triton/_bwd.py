@@ -88,7 +88,7 @@ def _bwd_dq_inner(dq1, dq2, q1, q2, L1, L2, c, g, K1, K2,
     return dq1, dq2
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["H", "NQ", "NK", "G1", "G2"])
 def _bwd_dq_kernel(
     Q1, K1, Q2, K2,          # [B, H, Nq, D1], [B, Hk1, Nk, D1], [B, H, Nq, D2], [B, Hk2, Nk, D2]
     G, KLp, LSE1, LSE2,      # [B, H, Nq] float32, contiguous
@@ -218,7 +218,7 @@ def _bwd_kv_inner(dk1, dk2, k1, k2, Q1, Q2, stride_q1n, stride_q1d, stride_q2n, 
     return dk1, dk2
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["H", "HK1", "HK2", "NQ", "NK", "G1", "G2", "GG"])
 def _bwd_dk_kernel(
     Q1, K1, Q2, K2,          # [B, H, Nq, D1], [B, Hk1, Nk, D1], [B, H, Nq, D2], [B, Hk2, Nk, D2]
     G, KLp, LSE1, LSE2,      # [B, H, Nq] float32, contiguous

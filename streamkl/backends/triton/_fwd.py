@@ -87,7 +87,9 @@ def _fwd_inner(m1, l1, m2, l2, acc, q1, q2,
     return m1, l1, m2, l2, acc
 
 
-@triton.jit
+# Sizes and head counts are not specialized (a training loop with varying lengths compiles once);
+# strides are, so the loads stay 16-byte vectors.
+@triton.jit(do_not_specialize=["H", "NQ", "NK", "G1", "G2", "split_len", "n_splits"])
 def _fwd_kernel(
     Q1, K1, Q2, K2,          # [B, H, Nq, D1], [B, Hk1, Nk, D1], [B, H, Nq, D2], [B, Hk2, Nk, D2]
     KL, LSE1, LSE2,          # [B, H, Nq] float32 (unused when SPLIT)
@@ -188,7 +190,7 @@ def _fwd_kernel(
         tl.store(LSE2 + row, tl.where(seen, (m2 + tl.math.log2(l2s)) * 0.6931471805599453, float("-inf")), mask=mmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["ROWS", "n_splits"])
 def _merge_kernel(PART, KL, LSE1, LSE2, ROWS, n_splits,
                   SPLITS_P: tl.constexpr, BLOCK_R: tl.constexpr):
     # PART: [5, n_splits, ROWS] partial (m1, l1, m2, l2, acc); one program merges BLOCK_R rows.

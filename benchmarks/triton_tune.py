@@ -1,0 +1,238 @@
+"""Check and time the triton backend's variants on one GPU, in one run.
+
+    PYTHONPATH=. python3 benchmarks/triton_tune.py [--parts gemm,fwd,split,bwd] [--quick]
+
+For every variant: first a correctness check on fresh random data against the float64 dense
+formula (streamkl.testing.dense_attn_kl; forward kl/lse and the needed gradients, SPEC section 6
+budgets), then a timing with triton.testing.do_bench (median of repeats, warm-up excluded) on the
+benchmark shape (B=1, H=32, D=128, bf16 unless told). A bf16 8192^3 GEMM timed the same way, at
+the start and at the end of the run, is the yardstick. Prints a table last; writes JSON to
+$OUT/triton_tune.json (or --out).
+
+FLOP counts (SPEC section 7): forward = 4*B*H*Nq*Nk*D (two GEMMs), backward of one setting =
+8*B*H*Nq*Nk*D (four GEMMs: S1, S2 recomputed, dq, dk), both settings = 12*B*H*Nq*Nk*D; all halved
+when causal with Nq == Nk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import sys
+import time
+import traceback
+
+import torch
+import triton
+from triton.testing import do_bench
+
+from streamkl.backends.triton import _config, _launch
+from streamkl.backends.triton._config import Cfg
+from streamkl.testing import dense_attn_kl, make_inputs
+
+ROWS: list[dict] = []
+LOG = []
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+    LOG.append(msg)
+
+
+def flops(kind: str, b, h, nq, nk, d, causal) -> float:
+    mult = {"fwd": 4, "bwd1": 8, "bwd2": 8, "bwd12": 12}[kind]
+    f = mult * b * h * nq * nk * d
+    return f / 2 if causal else f
+
+
+def bench(fn, reps_ms=200) -> float:
+    return do_bench(fn, warmup=50, rep=reps_ms, return_mode="median")
+
+
+def gemm_tflops() -> float:
+    n = 8192
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    ms = bench(lambda: a @ b, 500)
+    return 2 * n**3 / ms / 1e9
+
+
+def set_env(split=None, bwd=None):
+    for key, val in (("STREAMKL_TRITON_SPLIT_K", split), ("STREAMKL_TRITON_BWD", bwd)):
+        if val is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = str(val)
+
+
+def run_fwd(q1, k1, q2, k2, causal):
+    s1, s2 = 1 / math.sqrt(q1.shape[-1]), 1 / math.sqrt(q2.shape[-1])
+    return _launch.forward(q1, k1, q2, k2, causal=causal, scale1=s1, scale2=s2,
+                           cu_seqlens=None, max_seqlen=None)
+
+
+def run_bwd(g, q1, k1, q2, k2, out, causal, needs):
+    s1, s2 = 1 / math.sqrt(q1.shape[-1]), 1 / math.sqrt(q2.shape[-1])
+    return _launch.backward(g, q1, k1, q2, k2, *out, causal=causal, scale1=s1, scale2=s2,
+                            cu_seqlens=None, max_seqlen=None, needs=needs)
+
+
+NEEDS = {"bwd1": (False, False, True, True), "bwd2": (True, True, False, False),
+         "bwd12": (True, True, True, True)}
+
+
+def check(kind, causal, nq, nk, dtype=torch.bfloat16, d=128, h=4, seed=None):
+    """Max error / budget ratio (<= 1 passes) of the current variant on fresh data."""
+    seed = int(time.time_ns() % 2**31) if seed is None else seed
+    q1, k1, q2, k2 = make_inputs(b=1, h=h, nq=nq, nk=nk, d1=d, d2=d, hk1=h // 2, hk2=h // 4 or 1,
+                                 dtype=dtype, device="cuda", seed=seed)
+    kl, l1, l2 = run_fwd(q1, k1, q2, k2, causal)
+    ref_in = [t.detach().double().requires_grad_() for t in (q1, k1, q2, k2)]
+    rkl, rl1, rl2 = dense_attn_kl(*ref_in, causal=causal, return_lse=True)
+    tol = 2e-3 if dtype != torch.float32 else 1e-4
+    worst = ((kl.double() - rkl).abs() / (tol * rkl.abs().clamp_min(1))).max().item()
+    fin = torch.isfinite(rl1)
+    worst = max(worst, ((l1.double() - rl1)[fin].abs() / (tol * rl1[fin].abs().clamp_min(1))).max().item())
+    if not torch.isfinite(kl).all():
+        worst = float("inf")
+    if kind == "fwd":
+        return worst
+    g = torch.randn_like(kl)
+    rkl.backward(g.double())
+    grads = run_bwd(g, q1, k1, q2, k2, (kl, l1, l2), causal, NEEDS[kind])
+    gtol = 2e-2 if dtype != torch.float32 else 1e-3
+    for got, ref in zip(grads, ref_in):
+        if got is None:
+            continue
+        err = ((got.double() - ref.grad).norm() / ref.grad.norm()).item()
+        worst = max(worst, err / gtol if math.isfinite(err) else float("inf"))
+    return worst
+
+
+def record(**row):
+    ROWS.append(row)
+    extra = f" err/budget={row['check']:.3f}" if row.get("check") is not None else ""
+    log(f"{row['part']:6s} {row['variant']:34s} {row['shape']:28s} {row['ms']:9.4f} ms "
+        f"{row.get('tflops', 0):7.1f} TF/s{extra}")
+
+
+def part_fwd(args, gemm):
+    b, h, d = 1, 32, 128
+    cfgs = [Cfg(*c) for c in args.fwd_cfgs]
+    for causal in (False, True):
+        for cfg in cfgs:
+            _config.OVERRIDE["fwd"] = cfg
+            set_env(split="off")
+            try:
+                err = check("fwd", causal, 1000, 1000 if causal else 1111)
+                for n in args.ns:
+                    q1, k1, q2, k2 = make_inputs(b=b, h=h, nq=n, nk=n, d1=d, d2=d, dtype=torch.bfloat16, device="cuda", seed=n)
+                    ms = bench(lambda: run_fwd(q1, k1, q2, k2, causal))
+                    tf = flops("fwd", b, h, n, n, d, causal) / ms / 1e9
+                    record(part="fwd", variant=f"fwd {'causal' if causal else 'full'} {cfg}", shape=f"B{b} H{h} N{n} D{d}",
+                           ms=ms, tflops=tf, frac_gemm=tf / gemm, check=err, causal=causal, n=n, cfg=list(cfg.__dict__.values()))
+            except Exception as e:  # noqa: BLE001 - a config that fails to compile is a result
+                log(f"fwd {cfg} causal={causal} FAILED: {type(e).__name__}: {str(e)[:200]}")
+    _config.OVERRIDE["fwd"] = None
+    set_env()
+
+
+def part_split(args, gemm):
+    b, h, d = 1, 32, 128
+    for nk in args.split_nks:
+        for nq in args.split_nqs:
+            q1, k1, q2, k2 = make_inputs(b=b, h=h, nq=nq, nk=nk, d1=d, d2=d, dtype=torch.bfloat16, device="cuda", seed=nq)
+            for split in ["off", "auto", 2, 4, 8, 16, 32, 64]:
+                set_env(split=split)
+                try:
+                    err = check("fwd", False, nq, 3000) if split in ("off", "auto", 8) else None
+                    ms = bench(lambda: run_fwd(q1, k1, q2, k2, False), 100)
+                    tf = flops("fwd", b, h, nq, nk, d, False) / ms / 1e9
+                    chosen = None
+                    if split == "auto":
+                        cfg = _config.fwd_cfg(128, 128, torch.bfloat16, False, nq, False)
+                        chosen = _config.split_count(b * h * triton.cdiv(nq, cfg.block_m), triton.cdiv(nk, cfg.block_n), 132, None)
+                    record(part="split", variant=f"split={split}" + (f"(->{chosen})" if chosen else ""), shape=f"B{b} H{h} Nq{nq} Nk{nk} D{d}",
+                           ms=ms, tflops=tf, frac_gemm=tf / gemm, check=err, nq=nq, nk=nk, split=str(split))
+                except Exception as e:  # noqa: BLE001
+                    log(f"split {split} nq={nq} FAILED: {type(e).__name__}: {str(e)[:200]}")
+    set_env()
+
+
+def part_bwd(args, gemm):
+    b, h, d = 1, 32, 128
+    for kind in args.bwd_kinds:
+        for causal in (False, True):
+            for strategy in ("separate", "fused"):
+                for cq, ck in [(Cfg(*a), Cfg(*c)) for a, c in args.bwd_cfgs]:
+                    if strategy == "fused" and cq != Cfg(*args.bwd_cfgs[0][0]):
+                        pass
+                    _config.OVERRIDE["bwd_q"], _config.OVERRIDE["bwd_k"] = cq, ck
+                    set_env(bwd=strategy, split="off")
+                    try:
+                        err = check(kind, causal, 700, 700 if causal else 777)
+                        for n in args.bwd_ns:
+                            q1, k1, q2, k2 = make_inputs(b=b, h=h, nq=n, nk=n, d1=d, d2=d, dtype=torch.bfloat16, device="cuda", seed=n)
+                            out = run_fwd(q1, k1, q2, k2, causal)
+                            g = torch.randn_like(out[0])
+                            ms = bench(lambda: run_bwd(g, q1, k1, q2, k2, out, causal, NEEDS[kind]))
+                            tf = flops(kind, b, h, n, n, d, causal) / ms / 1e9
+                            record(part=kind, variant=f"{strategy} {'causal' if causal else 'full'} q{tuple(cq.__dict__.values())} k{tuple(ck.__dict__.values())}",
+                                   shape=f"B{b} H{h} N{n} D{d}", ms=ms, tflops=tf, frac_gemm=tf / gemm, check=err,
+                                   causal=causal, n=n, strategy=strategy, cfg_q=list(cq.__dict__.values()), cfg_k=list(ck.__dict__.values()))
+                    except Exception as e:  # noqa: BLE001
+                        log(f"{kind} {strategy} {cq} {ck} causal={causal} FAILED: {type(e).__name__}: {str(e)[:300]}")
+    _config.OVERRIDE["bwd_q"] = _config.OVERRIDE["bwd_k"] = None
+    set_env()
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--parts", default="gemm,fwd,split,bwd")
+    p.add_argument("--ns", type=int, nargs="+", default=[8192, 16384])
+    p.add_argument("--bwd-ns", type=int, nargs="+", default=[1024, 4096, 16384])
+    p.add_argument("--bwd-kinds", nargs="+", default=["bwd1", "bwd12"])
+    p.add_argument("--split-nqs", type=int, nargs="+", default=[1, 16, 64, 128, 256, 512])
+    p.add_argument("--split-nks", type=int, nargs="+", default=[32768])
+    p.add_argument("--fwd-cfgs", type=json.loads, default=[[128, 64, 8, 3], [128, 32, 8, 3], [128, 64, 8, 2]])
+    p.add_argument("--bwd-cfgs", type=json.loads, default=[[[64, 32, 4, 2], [32, 64, 4, 2]]])
+    p.add_argument("--commit", default=os.environ.get("COMMIT", "unknown"))
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = p.parse_args()
+    parts = args.parts.split(",")
+    torch.manual_seed(0)
+    props = torch.cuda.get_device_properties(0)
+    meta = dict(device=props.name, sms=props.multi_processor_count, torch=torch.__version__,
+                triton=triton.__version__, cuda=torch.version.cuda, commit=args.commit,
+                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                args=vars(args))
+    log(f"# {meta}")
+    t0 = time.time()
+    gemm0 = gemm_tflops()
+    log(f"gemm bf16 8192^3: {gemm0:.1f} TFLOP/s (start)")
+    for name, fn in (("fwd", part_fwd), ("split", part_split), ("bwd", part_bwd)):
+        if name in parts:
+            try:
+                fn(args, gemm0)
+            except Exception:  # noqa: BLE001
+                log(traceback.format_exc())
+            log(f"[{name} done at {time.time() - t0:.0f}s]")
+    gemm1 = gemm_tflops()
+    log(f"gemm bf16 8192^3: {gemm1:.1f} TFLOP/s (end)")
+    meta.update(gemm_tflops_start=gemm0, gemm_tflops_end=gemm1, seconds=time.time() - t0)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "triton_tune.json"), "w") as f:
+        json.dump(dict(meta=meta, rows=ROWS), f, indent=1)
+    print("\n# summary (TFLOP/s, fraction of the start GEMM; err/budget <= 1 passes)")
+    for r in ROWS:
+        chk = "" if r.get("check") is None else f" {r['check']:.2f}"
+        print(f"{r['part']:5s} {r['variant'][:44]:44s} {r['shape']:24s} {r['ms']:8.3f}ms {r['tflops']:6.1f} {r['frac_gemm']:.2f}{chk}")
+    print(f"gemm {gemm0:.0f} -> {gemm1:.0f} TFLOP/s; {time.time() - t0:.0f}s")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

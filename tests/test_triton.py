@@ -1,0 +1,253 @@
+"""The triton backend's kernels against the float64 dense oracle, called directly (no op layer).
+
+Without a GPU the kernels run under the Triton interpreter (TRITON_INTERPRET=1, set here before
+triton is imported; the kernels are imported lazily, so this holds even if another module
+imported triton first) on CPU tensors in float32 at tiny shapes with 16 x 16 tiles, so every case
+crosses tile boundaries, the causal frontier and the ragged last tile. With a GPU the same cases
+run compiled on CUDA, and the `gpu` grid adds bf16/fp16/fp32 at real tile sizes.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+pytest.importorskip("triton")
+
+from streamkl.backends import triton as tb  # noqa: E402
+from streamkl.backends.triton import _config  # noqa: E402
+from streamkl.testing import dense_attn_kl, make_inputs, rel_err  # noqa: E402
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cpu" if INTERPRET else "cuda"
+ALL = (True, True, True, True)
+SETTING1 = (False, False, True, True)  # teacher fixed: grads of q2, k2
+SETTING2 = (True, True, False, False)  # target fixed: grads of q1, k1
+
+
+def _scales(q1, q2):
+    return 1 / math.sqrt(q1.shape[-1]), 1 / math.sqrt(q2.shape[-1])
+
+
+def _oracle(q1, k1, q2, k2, causal, cu_seqlens, grad_seed=0):
+    leaves = [t.detach().double().cpu().requires_grad_() for t in (q1, k1, q2, k2)]
+    cu = None if cu_seqlens is None else cu_seqlens.cpu()
+    kl, lse1, lse2 = dense_attn_kl(*leaves, causal=causal, cu_seqlens=cu, return_lse=True)
+    g = torch.randn(kl.shape, generator=torch.Generator().manual_seed(grad_seed), dtype=torch.float64)
+    grads = torch.autograd.grad(kl, leaves, g)
+    return kl.detach(), lse1.detach(), lse2.detach(), g, grads
+
+
+def _run(q1, k1, q2, k2, *, causal=False, cu_seqlens=None, max_seqlen=None, needs=ALL):
+    s1, s2 = _scales(q1, q2)
+    kw = dict(causal=causal, scale1=s1, scale2=s2, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+    kl, lse1, lse2 = tb.forward(q1, k1, q2, k2, **kw)
+    return kl, lse1, lse2, kw
+
+
+def _check(q1, k1, q2, k2, *, causal=False, cu_seqlens=None, max_seqlen=None, needs=ALL,
+           kl_tol=None, grad_tol=None):
+    """Forward kl/lse and the needed grads against the oracle; returns the grads."""
+    dtype = q1.dtype
+    kl_tol = kl_tol or {torch.float32: 1e-4}.get(dtype, 2e-3)
+    grad_tol = grad_tol or {torch.float32: 1e-3}.get(dtype, 2e-2)
+    assert tb.supports(q1, k1, q2, k2, cu_seqlens) is None
+    kl, lse1, lse2, kw = _run(q1, k1, q2, k2, causal=causal, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+    for t in (kl, lse1, lse2):
+        assert t.dtype == torch.float32 and t.is_contiguous() and t.shape == q1.shape[:3]
+    rkl, rl1, rl2, g, rgrads = _oracle(q1, k1, q2, k2, causal, cu_seqlens)
+    kl, lse1, lse2 = (t.double().cpu() for t in (kl, lse1, lse2))
+    assert torch.isfinite(kl).all()
+    assert ((kl - rkl).abs() <= kl_tol * rkl.abs().clamp_min(1)).all(), (kl - rkl).abs().max()
+    for got, ref in ((lse1, rl1), (lse2, rl2)):
+        empty = torch.isinf(ref)
+        assert torch.equal(torch.isneginf(got), empty), "rows seeing no key must have lse = -inf"
+        assert ((got - ref)[~empty].abs() <= kl_tol * ref[~empty].abs().clamp_min(1)).all()
+    assert (kl[torch.isinf(rl1)] == 0).all()
+    grads = tb.backward(g.float().to(q1.device), q1, k1, q2, k2, *(t.float().to(q1.device) for t in (kl, lse1, lse2)),
+                        needs=needs, **kw)
+    for got, ref, need, inp in zip(grads, rgrads, needs, (q1, k1, q2, k2)):
+        if not need:
+            assert got is None
+            continue
+        assert got.shape == inp.shape and got.dtype == inp.dtype and got.is_contiguous()
+        assert torch.isfinite(got).all()
+        err = rel_err(got.cpu(), ref)
+        assert err <= grad_tol, f"grad rel err {err:.3e} > {grad_tol}"
+    return grads
+
+
+@pytest.fixture
+def strategy(request, monkeypatch):
+    monkeypatch.setenv("STREAMKL_TRITON_BWD", request.param)
+    monkeypatch.setenv("STREAMKL_TRITON_SPLIT_K", "off")
+    return request.param
+
+
+# (b, h, hk1, hk2, nq, nk, d1, d2, causal, layout): GQA with different group sizes, D1 != D2
+# (padded to the next power of two), Nq != Nk both ways, permuted strides.
+CASES = [
+    (1, 2, 2, 2, 40, 40, 16, 16, False, "bhnd"),
+    (2, 4, 2, 1, 37, 45, 24, 32, False, "bnhd"),
+    (1, 4, 1, 2, 45, 19, 32, 20, True, "bhnd"),
+    (2, 4, 4, 2, 20, 45, 16, 24, True, "bnhd"),
+    (1, 6, 3, 2, 33, 33, 8, 32, True, "bhnd"),
+]
+
+
+@pytest.mark.parametrize("strategy", ["separate", "fused"], indirect=True)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+def test_against_oracle(case, strategy):
+    b, h, hk1, hk2, nq, nk, d1, d2, causal, layout = case
+    q1, k1, q2, k2 = make_inputs(b=b, h=h, hk1=hk1, hk2=hk2, nq=nq, nk=nk, d1=d1, d2=d2,
+                                 device=DEVICE, layout=layout, seed=nq * nk + d1)
+    _check(q1, k1, q2, k2, causal=causal)
+
+
+@pytest.mark.parametrize("strategy", ["separate", "fused"], indirect=True)
+@pytest.mark.parametrize("needs", [SETTING1, SETTING2, (True, False, False, True), (False, True, True, False)],
+                         ids=["setting1", "setting2", "dq1-dk2", "dk1-dq2"])
+def test_only_needed_grads(needs, strategy):
+    q1, k1, q2, k2 = make_inputs(b=1, h=4, hk1=2, hk2=1, nq=30, nk=35, d1=16, d2=24, device=DEVICE, seed=5)
+    _check(q1, k1, q2, k2, causal=True, needs=needs)
+
+
+def test_no_grads_needed():
+    q1, k1, q2, k2 = make_inputs(b=1, h=2, nq=8, nk=8, d1=16, d2=16, device=DEVICE)
+    kl, lse1, lse2, kw = _run(q1, k1, q2, k2)
+    assert tb.backward(torch.ones_like(kl), q1, k1, q2, k2, kl, lse1, lse2, needs=(False,) * 4, **kw) == (None,) * 4
+
+
+@pytest.mark.parametrize("strategy", ["separate", "fused"], indirect=True)
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen(causal, strategy):
+    cu = torch.tensor([0, 5, 21, 22, 40], dtype=torch.int32, device=DEVICE)  # includes a 1-token sequence
+    q1, k1, q2, k2 = make_inputs(b=1, h=4, hk1=2, hk2=1, nq=40, nk=40, d1=16, d2=24, device=DEVICE,
+                                 layout="bnhd", seed=7)
+    _check(q1, k1, q2, k2, causal=causal, cu_seqlens=cu, max_seqlen=18)
+
+
+@pytest.mark.parametrize("nq,nk,causal,splits", [(1, 48, False, "3"), (5, 47, True, "4"), (20, 40, False, "2"),
+                                                   (3, 48, True, "64")])
+def test_split_k(nq, nk, causal, splits, monkeypatch):
+    monkeypatch.setenv("STREAMKL_TRITON_SPLIT_K", splits)
+    q1, k1, q2, k2 = make_inputs(b=2, h=2, hk1=1, hk2=2, nq=nq, nk=nk, d1=16, d2=32, device=DEVICE, seed=nq)
+    _check(q1, k1, q2, k2, causal=causal)
+    monkeypatch.setenv("STREAMKL_TRITON_SPLIT_K", "off")
+    kl_split = _run(q1, k1, q2, k2, causal=causal)[0]
+    monkeypatch.setenv("STREAMKL_TRITON_SPLIT_K", splits)
+    assert torch.allclose(_run(q1, k1, q2, k2, causal=causal)[0], kl_split, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("strategy", ["separate", "fused"], indirect=True)
+def test_rows_that_see_nothing(strategy):
+    # Causal with Nq > Nk: the first Nq - Nk rows see no key (kl 0, lse -inf, zero grads).
+    q1, k1, q2, k2 = make_inputs(b=1, h=2, nq=40, nk=12, d1=16, d2=16, device=DEVICE, seed=3)
+    dq1, dk1, dq2, dk2 = _check(q1, k1, q2, k2, causal=True)
+    kl = _run(q1, k1, q2, k2, causal=True)[0]
+    assert (kl[..., :28] == 0).all()
+    assert (dq1[..., :28, :] == 0).all() and (dq2[..., :28, :] == 0).all()
+
+
+def test_split_k_rows_that_see_nothing(monkeypatch):
+    monkeypatch.setenv("STREAMKL_TRITON_SPLIT_K", "3")
+    q1, k1, q2, k2 = make_inputs(b=1, h=2, nq=20, nk=10, d1=16, d2=16, device=DEVICE, seed=4)
+    _check(q1, k1, q2, k2, causal=True, needs=SETTING1)
+
+
+@pytest.mark.parametrize("strategy", ["separate", "fused"], indirect=True)
+def test_large_logits(strategy):
+    # Logits of magnitude ~1e4 (q, k with std 50 at D = 16): one-hot rows, no NaN/inf anywhere.
+    q1, k1, q2, k2 = make_inputs(b=1, h=2, nq=24, nk=30, d1=16, d2=16, device=DEVICE, seed=9, std=50.0)
+    assert (q1[0, 0] @ k1[0, 0].T / 4).abs().max() > 3e3
+    _check(q1, k1, q2, k2, causal=True, needs=SETTING1)
+    # Setting 2 at one-hot rows: the exact dS1 = g*P1*(log-ratio - KL) is ~1e-12 because the
+    # log-ratio equals KL at the argmax; in fp32 (logits ~1e4, ulp ~1e-3) what remains is rounding,
+    # finite and small next to the setting-1 gradients of the same inputs.
+    kl, lse1, lse2, kw = _run(q1, k1, q2, k2, causal=True)
+    rkl, _, _, g, rgrads = _oracle(q1, k1, q2, k2, True, None)
+    grads = tb.backward(g.float().to(q1.device), q1, k1, q2, k2, kl, lse1, lse2, needs=ALL, **kw)
+    assert all(torch.isfinite(t).all() for t in grads)
+    scale = min(rgrads[2].norm().item(), rgrads[3].norm().item())
+    for got, ref in zip(grads[:2], rgrads[:2]):
+        assert (got.cpu().double() - ref).norm().item() <= 1e-3 * scale
+
+
+def test_supports_reasons(monkeypatch):
+    q1, k1, q2, k2 = make_inputs(b=1, h=2, nq=4, nk=4, d1=16, d2=16, device=DEVICE)
+    assert tb.supports(q1, k1, q2, k2, None) is None
+    assert "float64" in tb.supports(q1.double(), k1.double(), q2.double(), k2.double(), None)
+    big = torch.zeros(1, 2, 4, 300, device=DEVICE)
+    assert "256" in tb.supports(q1, k1, big, big[:, :2], None)
+    cpu = [t.cpu() for t in (q1, k1, q2, k2)]
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert "CUDA" in tb.supports(*cpu, None)
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
+    assert "not installed" in tb.supports(q1, k1, q2, k2, None)
+
+
+def test_env_overrides(monkeypatch):
+    from streamkl import _env
+
+    monkeypatch.setenv("STREAMKL_TRITON_BWD", "sideways")
+    with pytest.raises(ValueError, match="STREAMKL_TRITON_BWD"):
+        _env.triton_bwd()
+    monkeypatch.setenv("STREAMKL_TRITON_SPLIT_K", "-2")
+    with pytest.raises(ValueError, match="STREAMKL_TRITON_SPLIT_K"):
+        _env.triton_split_k()
+    monkeypatch.setenv("STREAMKL_TRITON_SPLIT_K", "off")
+    assert _env.triton_split_k() == 1
+    monkeypatch.setenv("STREAMKL_TRITON_SPLIT_K", "8")
+    assert _env.triton_split_k() == 8
+
+
+def test_split_rule():
+    # A grid that fills the SMs is never split; a decode-sized one is, with >= MIN_TILES tiles a split.
+    assert _config.split_count(132, 512, 132, None) == 1
+    s = _config.split_count(32, 512, 132, None)
+    assert s >= 2 and 512 // s >= _config.MIN_TILES
+    assert _config.split_count(32, 4, 132, None) == 1  # too few key tiles to share
+    assert _config.split_count(4096, 512, 132, 6) == 6
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU grid: real tile sizes, 16-bit inputs, compiled kernels.
+
+GPU_CASES = [
+    # (b, h, hk1, hk2, nq, nk, d1, d2, causal, layout, std)
+    (2, 8, 8, 8, 1, 4096, 128, 128, False, "bhnd", 1.0),    # decode: split-K auto
+    (1, 8, 2, 4, 1, 3000, 64, 128, True, "bnhd", 1.0),
+    (2, 4, 4, 4, 300, 300, 128, 128, True, "bhnd", 1.0),    # row 0 sees a single key
+    (1, 8, 4, 2, 257, 1000, 64, 96, True, "bnhd", 1.0),     # Nq < Nk, D1 != D2, GQA g1 != g2
+    (1, 4, 4, 1, 1000, 200, 128, 128, True, "bhnd", 1.0),   # Nq > Nk: 800 rows see nothing
+    (2, 4, 2, 2, 513, 777, 256, 32, False, "bnhd", 1.0),
+    (1, 4, 4, 4, 200, 300, 128, 128, True, "bhnd", 10.0),   # logits ~1e3-1e4
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("strategy", ["separate", "fused"], indirect=True)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_gpu_grid(case, dtype, strategy, monkeypatch):
+    monkeypatch.setenv("STREAMKL_TRITON_SPLIT_K", "auto")
+    b, h, hk1, hk2, nq, nk, d1, d2, causal, layout, std = case
+    q1, k1, q2, k2 = make_inputs(b=b, h=h, hk1=hk1, hk2=hk2, nq=nq, nk=nk, d1=d1, d2=d2, dtype=dtype,
+                                 device="cuda", layout=layout, seed=nq + nk, std=std)
+    _check(q1, k1, q2, k2, causal=causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_gpu_varlen(dtype):
+    cu = torch.tensor([0, 1, 300, 1024, 1500], dtype=torch.int32, device="cuda")
+    q1, k1, q2, k2 = make_inputs(b=1, h=8, hk1=2, hk2=4, nq=1500, nk=1500, d1=128, d2=64, dtype=dtype,
+                                 device="cuda", layout="bnhd", seed=11)
+    _check(q1, k1, q2, k2, causal=True, cu_seqlens=cu, max_seqlen=724)
