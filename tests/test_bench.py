@@ -1,0 +1,157 @@
+"""The benchmark harness (python -m streamkl.bench) on CPU: the smoke run, the report, the FLOP
+count, and that failures, OOMs, budgets and projections are recorded rather than fatal."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+import torch
+
+from streamkl.bench import cli, providers, report
+from streamkl.bench.flops import attn_kl_flops, visible_pairs
+from streamkl.bench.timing import env_vars
+from streamkl.testing import visible_mask
+
+
+@pytest.mark.parametrize("nq,nk", [(1, 1), (1, 7), (5, 5), (7, 3), (3, 7), (64, 128), (128, 64)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_visible_pairs_counts_the_mask(nq, nk, causal):
+    assert visible_pairs(nq, nk, causal) == int(visible_mask(nq, nk, causal).sum())
+
+
+def test_flop_count_definition():
+    b, h, n, d = 1, 32, 8192, 128
+    fwd = attn_kl_flops(b, h, n, n, d, d, False, "fwd")
+    assert fwd == 4 * b * h * n * n * d
+    assert attn_kl_flops(b, h, n, n, d, d, True, "fwd") == 2 * b * h * (n * (n + 1) // 2) * 2 * d
+    assert attn_kl_flops(b, h, n, n, d, d, False, "bwd", "q2k2") == 2 * fwd   # four GEMMs
+    assert attn_kl_flops(b, h, n, n, d, d, False, "bwd", "q1k1") == 2 * fwd
+    assert attn_kl_flops(b, h, n, n, d, d, False, "bwd", "all") == 3 * fwd    # six GEMMs
+    assert attn_kl_flops(b, h, n, n, d, d, False, "fwd+bwd", "q2k2") == 3 * fwd
+    # D1 != D2: each GEMM counts its own head dim
+    assert attn_kl_flops(1, 1, 4, 4, 64, 32, False, "fwd") == 2 * 16 * 96
+    assert attn_kl_flops(1, 1, 4, 4, 64, 32, False, "bwd", "q2k2") == 2 * 16 * 96 + 4 * 16 * 32
+    with pytest.raises(ValueError):
+        attn_kl_flops(1, 1, 4, 4, 8, 8, False, "bwd")
+
+
+def test_env_vars_sets_and_restores(monkeypatch):
+    monkeypatch.setenv("STREAMKL_TRITON_SPLIT_K", "auto")
+    monkeypatch.delenv("STREAMKL_TRITON_BWD", raising=False)
+    with env_vars({"STREAMKL_TRITON_SPLIT_K": "0", "STREAMKL_TRITON_BWD": "fused"}):
+        assert os.environ["STREAMKL_TRITON_SPLIT_K"] == "0"
+        assert os.environ["STREAMKL_TRITON_BWD"] == "fused"
+    assert os.environ["STREAMKL_TRITON_SPLIT_K"] == "auto"
+    assert "STREAMKL_TRITON_BWD" not in os.environ
+
+
+def _ok(results, **match):
+    return [r for r in results if r["status"] == "ok"
+            and all(r.get(k) == v for k, v in match.items())]
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    assert cli.main(["--smoke", "--out", str(out)]) == 0
+    return out, json.loads((out / "results.json").read_text())
+
+
+def test_smoke_writes_json_with_real_numbers(smoke_run):
+    out, data = smoke_run
+    meta = data["meta"]
+    for key in ("date", "argv", "versions", "git", "device"):
+        assert key in meta
+    assert meta["versions"]["torch"] and meta["device"]["type"] == "cpu"
+    assert data["gemm_yardstick"]["tflops"] > 0
+    results = data["results"]
+    assert {r["sweep"] for r in results} == {"n", "decode", "bwd-strategy", "shapes", "long"}
+    for provider in ("streamkl-reference", "torch", "torch.compile", "gemm"):
+        ok = _ok(results, provider=provider)
+        assert ok, f"no successful measurement for {provider}"
+        for r in ok:
+            assert math.isfinite(r["ms"]) and r["ms"] > 0 and r["tflops"] > 0
+    for mode in ("fwd", "bwd", "fwd+bwd"):
+        assert _ok(results, provider="streamkl-reference", mode=mode)
+    checked = [r for r in results if r["status"] == "ok" and "kl_err" in r.get("check", {})]
+    assert checked and all(r["check"]["kl_ok"] for r in checked)
+    assert all(r["check"].get("grad_ok", True) for r in checked)
+    assert any(r["check"].get("grad_err") for r in checked)
+    assert all(r.get("compile_s", 0) > 0 for r in _ok(results, provider="torch.compile"))
+    # GPU-only backends are recorded as such, never as errors
+    assert not [r for r in results if r["status"] == "error"]
+    triton = [r for r in results if r["provider"] == "streamkl-triton"]
+    if not os.environ.get("TRITON_INTERPRET"):
+        assert triton and all(r["status"] == "unsupported" for r in triton)
+
+
+def test_smoke_writes_markdown_and_plots(smoke_run):
+    out, data = smoke_run
+    md = (out / "results.md").read_text()
+    assert "| N | causal | PyTorch ms | torch.compile ms | streamkl-reference ms" in md
+    assert "vs PyTorch" in md and "vs torch.compile" in md and "% of GEMM" in md
+    row = next(line for line in md.splitlines() if line.startswith("| 64 | no |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert float(cells[4]) > 0 and cells[5].endswith("x")
+    for name in ("latency_vs_n.png", "memory_vs_n.png", "ablations.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_report_rerenders_from_json(smoke_run, tmp_path, capsys):
+    out, _ = smoke_run
+    assert report.main([str(out / "results.json"), "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "results.md").read_text() == (out / "results.md").read_text()
+    assert (tmp_path / "latency_vs_n.png").exists()
+
+
+def test_oom_and_errors_are_recorded_and_the_run_goes_on(tmp_path, monkeypatch):
+    real_dense = providers.dense_fp32
+
+    def dense_that_runs_out(q1, k1, q2, k2, causal):
+        if q1.shape[2] >= 64:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 GiB")
+        return real_dense(q1, k1, q2, k2, causal)
+
+    def broken_streamkl(*args, **kwargs):
+        raise RuntimeError("kernel exploded")
+
+    monkeypatch.setattr(providers, "dense_fp32", dense_that_runs_out)
+    monkeypatch.setattr(providers, "_call_streamkl", broken_streamkl)
+    argv = ["--smoke", "--sweep", "n", "--sizes", "32,64,128", "--causal", "0", "--settings",
+            "q2k2", "--providers", "streamkl-reference,torch,gemm", "--no-plots",
+            "--out", str(tmp_path)]
+    # --smoke runs every sweep; restrict to n through the sweep list
+    assert cli.main([a for a in argv if a != "--smoke"] + ["--device", "cpu", "--dtype", "float32",
+                                                           "--compile-backend", "aot_eager"]) == 0
+    data = json.loads((tmp_path / "results.json").read_text())
+    res = {(r["provider"], r["mode"], r["case"]["nq"]): r for r in data["results"]}
+    assert res[("torch", "fwd", 32)]["status"] == "ok"
+    assert res[("torch", "fwd", 64)]["status"] == "oom"
+    assert not res[("torch", "fwd", 64)].get("implied")
+    assert res[("torch", "fwd", 128)]["status"] == "oom" and res[("torch", "fwd", 128)]["implied"]
+    assert res[("torch", "bwd", 128)]["status"] == "oom"
+    assert res[("streamkl-reference", "fwd", 32)]["status"] == "error"
+    assert "kernel exploded" in res[("streamkl-reference", "fwd", 32)]["reason"]
+    assert res[("gemm", "fwd", 128)]["status"] == "ok"
+    md = (tmp_path / "results.md").read_text()
+    assert "OOM" in md and "kernel exploded" in md
+
+
+def test_budget_and_projection_skip(tmp_path):
+    argv = ["--sweep", "n", "--sizes", "32,256", "--causal", "0", "--settings", "q2k2",
+            "--providers", "streamkl-reference,torch", "--device", "cpu", "--dtype", "float32",
+            "--max-call-reference-s", "1e-9", "--no-plots", "--out", str(tmp_path / "a")]
+    assert cli.main(argv) == 0
+    data = json.loads((tmp_path / "a" / "results.json").read_text())
+    ref = {(r["mode"], r["case"]["nq"]): r for r in data["results"]
+           if r["provider"] == "streamkl-reference"}
+    assert ref[("fwd", 32)]["status"] == "ok"
+    assert ref[("fwd", 256)]["status"] == "skipped" and "projected" in ref[("fwd", 256)]["reason"]
+    argv = argv[:-1] + [str(tmp_path / "b"), "--time-budget", "0"]
+    assert cli.main(argv) == 0
+    data = json.loads((tmp_path / "b" / "results.json").read_text())
+    assert data["results"] and all(r["status"] == "skipped" for r in data["results"])
+    assert (tmp_path / "b" / "results.md").exists()
