@@ -95,6 +95,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--gemm-size", type=int, default=8192, help="the yardstick GEMM's M=N=K")
     p.add_argument("--tf32", type=int, choices=[0, 1], default=0,
                    help="allow TF32 in the float32 dense baselines' matmuls")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads for torch (default on CPU: 1, which keeps timings stable on "
+                        "a shared machine)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--commit", default=None, help="git commit to record when .git is absent")
     p.add_argument("--no-plots", action="store_true")
@@ -102,7 +105,14 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    threads = torch.get_num_threads()
+    try:
+        return _main(list(sys.argv[1:] if argv is None else argv))
+    finally:  # tests call main() in-process
+        torch.set_num_threads(threads)
+
+
+def _main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
     sweep_arg = args.sweep.strip().lower()
     if sweep_arg == "smoke":
@@ -122,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
                                           else "cpu"))
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
+    if device.type == "cpu" or args.threads:
+        torch.set_num_threads(args.threads or 1)
     dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     if dtype not in DTYPES:
         print(f"unknown dtype {dtype!r}; expected one of {', '.join(DTYPES)}", file=sys.stderr)

@@ -47,6 +47,10 @@ def _n(n: int) -> str:
     return str(n)
 
 
+def _tf(x) -> str:
+    return f"{x:.0f}" if x >= 10 else f"{x:.3g}"
+
+
 def _x(num, den) -> str:
     if num is None or den is None or num <= 0:
         return "—"
@@ -98,7 +102,7 @@ class Results:
             if what == "mem":
                 return _mem(r.get("mem_extra_bytes"))
             if what == "tflops":
-                return f"{r['tflops']:.1f}" if r.get("tflops") is not None else "—"
+                return _tf(r["tflops"]) if r.get("tflops") is not None else "—"
             if what == "frac":
                 return (f"{100 * r['tflops'] / self.gemm_tflops:.0f}%"
                         if r.get("tflops") and self.gemm_tflops else "—")
@@ -120,17 +124,19 @@ def render_markdown(data: dict) -> str:
     R = Results(data)
     meta = data.get("meta", {})
     dev = meta.get("device", {})
-    cfg = data.get("config", {})
     parts = [f"# streamkl benchmarks: {dev.get('name', '?')}, {meta.get('date', '?')}\n"]
     parts.append(_header(data))
     primaries = [p for p in STREAMKL_ORDER if p in R.providers("n")]
     if primaries:
         parts.append("## Sequence length (sweep `n`)\n")
         c0 = next((r["case"] for r in R.results if r["sweep"] == "n"), {})
+        y0 = data.get("gemm_yardstick") or {}
         parts.append(f"B={c0.get('b')}, H={c0.get('h')}, D={c0.get('d1')}, {c0.get('dtype')}, "
                      "Nq = Nk = N. Speed-up = baseline time / streamkl time. TFLOP/s on the "
                      "count of `streamkl/bench/flops.py`; % of GEMM = fraction of the "
-                     "8192^3 GEMM measured in this run. (!) = failed its correctness check.\n")
+                     f"{y0.get('m', '?')}^3 GEMM measured in this run; OOM = out of memory "
+                     "(at this N or a smaller one); skip = projected too slow or out of time "
+                     "budget; (!) = failed its correctness check.\n")
         for prov in primaries:
             parts.append(_speed_table(R, "n", prov, "fwd", None, "Forward"))
             for setting in ("q2k2", "q1k1", "all"):
@@ -146,7 +152,6 @@ def render_markdown(data: dict) -> str:
     parts.append(_check_table(R))
     parts.append(_failures(R))
     parts.append(_all_results(R))
-    _ = cfg
     return "\n".join(p for p in parts if p)
 
 
@@ -155,7 +160,8 @@ def _header(data: dict) -> str:
     dev, ver, git = meta.get("device", {}), meta.get("versions", {}), meta.get("git", {})
     y0, y1 = data.get("gemm_yardstick") or {}, data.get("gemm_yardstick_end") or {}
     if dev.get("type") == "cuda":
-        devtxt = (f"{dev.get('name')} ({dev.get('sm_count')} SMs, sm_{str(dev.get('capability', '')).replace('.', '')}, "
+        sm = str(dev.get("capability", "")).replace(".", "")
+        devtxt = (f"{dev.get('name')} ({dev.get('sm_count')} SMs, sm_{sm}, "
                   f"{_mem(dev.get('total_memory_bytes'))}, L2 {_mem(dev.get('l2_cache_bytes'))}, "
                   f"driver {dev.get('driver')}, CUDA {dev.get('cuda_runtime')})")
     else:
@@ -163,9 +169,9 @@ def _header(data: dict) -> str:
     sw = ", ".join(f"{k} {v}" for k, v in ver.items() if k != "torch_runtime")
     gemm = "—"
     if y0.get("tflops"):
-        gemm = f"{y0['m']}^3 {y0['dtype']}: {y0['tflops']:.0f} TFLOP/s at the start"
+        gemm = f"{y0['m']}^3 {y0['dtype']}: {_tf(y0['tflops'])} TFLOP/s at the start"
         if y1.get("tflops"):
-            gemm += f", {y1['tflops']:.0f} at the end"
+            gemm += f", {_tf(y1['tflops'])} at the end"
         gemm += f" ({y0.get('timer')})"
     commit = git.get("commit") or "unknown"
     if git.get("dirty"):
@@ -210,7 +216,7 @@ def _cases(R: Results, sweep: str):
 
 def _speed_table(R, sweep, prov, mode, setting, title) -> str:
     rows = []
-    for causal, nq, nk, _ in _cases(R, sweep):
+    for causal, nq, _nk, _ in _cases(R, sweep):
         f = _same_nc(nq, causal)
         s = R.get(sweep, prov, f, mode, setting)
         if s is None:
@@ -234,8 +240,12 @@ def _memory_table(R, sweep) -> str:
     for r in R.results:
         if r["sweep"] == sweep and (r["mode"], r.get("setting")) not in modes:
             modes.append((r["mode"], r.get("setting")))
+    if not any(r["sweep"] == sweep and r.get("mem_extra_bytes") is not None for r in R.results):
+        return "### Peak extra memory\n\n_not tracked on this device (CUDA only)_\n"
+    provs = [p for p in provs if any(r["sweep"] == sweep and r["provider"] == p
+                                     and r["status"] in ("ok", "oom") for r in R.results)]
     rows = []
-    for causal, nq, nk, _ in _cases(R, sweep):
+    for causal, nq, _nk, _ in _cases(R, sweep):
         for mode, setting in modes:
             cells = [R.cell(R.get(sweep, p, _same_nc(nq, causal), mode, setting), "mem") for p in provs]
             if all(c == "—" for c in cells):
@@ -249,7 +259,7 @@ def _memory_table(R, sweep) -> str:
             + _table(["N", "causal", "mode", *provs], rows))
 
 
-def _variant_rows(R, sweep, key_fn, label_fn):
+def _variant_rows(R, sweep, key_fn):
     groups = defaultdict(dict)
     order = []
     for r in R.results:
@@ -273,16 +283,25 @@ def _decode_table(R) -> str:
     if not any(r["sweep"] == "decode" for r in R.results):
         return ""
     order, groups, cols = _variant_rows(
-        R, "decode", lambda r: (r["case"]["causal"], r["case"]["nk"], r["case"]["nq"]), None)
+        R, "decode", lambda r: (r["case"]["causal"], r["case"]["nk"], r["case"]["nq"]))
     rows = []
     for k in sorted(order):
         g = groups[k]
-        off, on = g.get("streamkl-triton [split_k=0]"), g.get("streamkl-triton [split_k=1]")
+        off = R.ms(g.get("streamkl-triton [split_k=off]"))
+        forced = [(name, R.ms(r)) for name, r in g.items()
+                  if name.startswith("streamkl-triton [split_k=") and name.split("=")[1][:-1].isdigit()
+                  and R.ms(r)]
+        best = min(forced, key=lambda t: t[1]) if forced else None
+        auto = R.ms(g.get("streamkl-triton [split_k=auto]"))
         rows.append([_n(k[2]), _n(k[1]), "yes" if k[0] else "no",
-                     *[R.cell(g.get(c)) for c in cols], _x(R.ms(on), R.ms(off))])
-    return ("## Decode: small Nq, long Nk (sweep `decode`)\n\nForward ms. split-K via "
-            "`STREAMKL_TRITON_SPLIT_K`; the last column is split-K on over off.\n\n"
-            + _table(["Nq", "Nk", "causal", *cols, "split-K speed-up"], rows))
+                     *[R.cell(g.get(c)) for c in cols],
+                     (f"{_x(best[1], off)} ({best[0].split('=')[1][:-1]} splits)" if best and off
+                      else "—"),
+                     _x(auto, off)])
+    return ("## Decode: small Nq, long Nk (sweep `decode`)\n\nForward ms. Split-K set by "
+            "`STREAMKL_TRITON_SPLIT_K` (off, a forced number of key splits, or auto = the "
+            "backend's rule); speed-ups are over split-K off.\n\n"
+            + _table(["Nq", "Nk", "causal", *cols, "best forced split", "auto"], rows))
 
 
 def _bwd_strategy_table(R) -> str:
@@ -290,7 +309,7 @@ def _bwd_strategy_table(R) -> str:
         return ""
     order, groups, cols = _variant_rows(
         R, "bwd-strategy", lambda r: (r["case"]["causal"], r["case"]["nk"], r["case"]["nq"],
-                                      r.get("setting") or ""), None)
+                                      r.get("setting") or ""))
     rows = []
     for k in sorted(order):
         g = groups[k]
@@ -313,7 +332,7 @@ def _shapes_table(R) -> str:
         return ""
     order, groups, cols = _variant_rows(
         R, "shapes", lambda r: (r["case"].get("label", ""), r["case"]["causal"], r["mode"],
-                                r.get("setting") or ""), None)
+                                r.get("setting") or ""))
     prim = next((p for p in STREAMKL_ORDER if p in cols), None)
     rows = []
     for k in order:
@@ -401,8 +420,9 @@ def _all_results(R) -> str:
     rows = []
     for r in R.results:
         c = r["case"]
+        gqa = c.get("hk1") or c.get("hk2")
         shape = (f"{_n(c['nq'])}x{_n(c['nk'])} H={c['h']}"
-                 + (f"/{c.get('hk1') or c['h']}/{c.get('hk2') or c['h']}" if (c.get("hk1") or c.get("hk2")) else "")
+                 + (f"/{c.get('hk1') or c['h']}/{c.get('hk2') or c['h']}" if gqa else "")
                  + f" D={c['d1']}/{c['d2']}" + (" causal" if c["causal"] else ""))
         chk = r.get("check") or {}
         err = f"{chk['kl_err']:.1e}" if "kl_err" in chk else "—"
@@ -419,6 +439,19 @@ def _all_results(R) -> str:
 
 
 # ----------------------------------------------------------------------------- plots
+_COLORS = {"streamkl-cuda": "tab:red", "streamkl-triton": "tab:blue", "streamkl-reference": "tab:cyan",
+           "torch": "tab:orange", "torch.compile": "tab:green", "gemm": "tab:gray"}
+_EXTRA = ["tab:purple", "tab:brown", "tab:pink", "tab:olive", "black", "gold", "navy", "lime"]
+
+
+def _color(name: str, _seen: dict = {}) -> str:  # noqa: B006 - a deliberate per-process cache
+    base = name.split(" [")[0]
+    if name == base and base in _COLORS:
+        return _COLORS[base]
+    if name not in _seen:
+        _seen[name] = _EXTRA[len(_seen) % len(_EXTRA)]
+    return _seen[name]
+
 def render_plots(data: dict, out: Path) -> list[Path]:
     import matplotlib
 
@@ -494,6 +527,7 @@ def _grid_plot(plt, R, sweep, what, ylabel, title):
                 if xs:
                     any_data = True
                     ax.plot(xs, ys, marker="o", ms=3, label=label,
+                            color=_color(prov + (f" [{var}]" if var else "")),
                             ls="--" if prov == "gemm" else "-")
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
@@ -552,7 +586,7 @@ def _ablation_plot(plt, R, title):
             groups[(r["provider"], r["mode"], r.get("setting"))].append((c["nq"], r["ms"]))
     for (prov, mode, setting), pts in sorted(groups.items(), key=str):
         pts.sort()
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3,
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, color=_color(prov),
                 ls="--" if prov == "gemm" else "-", label=f"{prov} {mode} {setting or ''}")
     _style(ax, "long context: ms vs N", "N", "ms")
     fig.suptitle(f"streamkl ablations — {title}", fontsize=10)

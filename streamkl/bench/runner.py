@@ -353,6 +353,44 @@ class Runner:
             del graphs
         rec.update(res, n_input_sets=len(sets))
 
+    # ---------------------------------------------------------------- for pytest-benchmark
+    def prepare_call(self, case: Case, prov: Provider, mode: str, setting: str | None = None):
+        """(call, flops): one device-synchronized call of `prov` on `case`, built from the same
+        inputs, provider callables and FLOP count as the sweeps (benchmarks/test_speed.py times
+        it with pytest-benchmark). mode "bwd" times the backward alone on a retained graph."""
+        flops = attn_kl_flops(case.b, case.h, case.nq, case.nk, case.d1, case.d2, case.causal,
+                              mode, setting)
+        s0 = self.inputs(case)[0]
+        reason = prov.unsupported(s0)
+        if reason is not None:
+            raise RuntimeError(f"{prov.name} cannot run {case.key}: {reason}")
+        fn = prov.make(case.causal)
+        dev = self.device
+        if mode == "fwd":
+            def call():
+                out = fn(*s0)
+                timing.synchronize(dev)
+                return out
+            return call, flops
+        idx = SETTING_GRADS[setting]
+        x = tuple(t.detach().requires_grad_(i in idx) for i, t in enumerate(s0))
+        req = [x[i] for i in idx]
+        gen = torch.Generator(device=dev).manual_seed(self.cfg.seed + 1)
+        gout = torch.randn((case.b, case.h, case.nq), generator=gen, device=dev)
+        if mode == "fwd+bwd":
+            def call():
+                out = torch.autograd.grad(fn(*x), req, gout)
+                timing.synchronize(dev)
+                return out
+            return call, flops
+        kl = fn(*x)
+
+        def call():
+            out = torch.autograd.grad(kl, req, gout, retain_graph=True)
+            timing.synchronize(dev)
+            return out
+        return call, flops
+
     # ---------------------------------------------------------------- correctness
     def _check_rows(self, case: Case) -> int:
         return max(1, min(case.nq, self.cfg.check_rows))

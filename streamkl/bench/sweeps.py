@@ -59,9 +59,13 @@ def _causals(causal: str) -> list[bool]:
     return {"0": [False], "1": [True], "both": [False, True]}[str(causal)]
 
 
-SPLIT_K = [("split_k=0", {"STREAMKL_TRITON_SPLIT_K": "0"}),
-           ("split_k=1", {"STREAMKL_TRITON_SPLIT_K": "1"}),
-           ("split_k=auto", {"STREAMKL_TRITON_SPLIT_K": "auto"})]
+# STREAMKL_TRITON_SPLIT_K: off | N (force N key splits) | auto (the backend's rule)
+def split_k_variants(counts: list[int]) -> list[tuple[str, dict]]:
+    return ([("split_k=off", {"STREAMKL_TRITON_SPLIT_K": "off"})]
+            + [(f"split_k={n}", {"STREAMKL_TRITON_SPLIT_K": str(n)}) for n in counts]
+            + [("split_k=auto", {"STREAMKL_TRITON_SPLIT_K": "auto"})])
+
+
 BWD = [("bwd=fused", {"STREAMKL_TRITON_BWD": "fused"}),
        ("bwd=separate", {"STREAMKL_TRITON_BWD": "separate"}),
        ("bwd=auto", {"STREAMKL_TRITON_BWD": "auto"})]
@@ -113,9 +117,11 @@ def build(preset: str, sweeps: list[str], g: Geometry) -> list[Sweep]:
                      for c in dc for nk in nks for nq in nqs]
             out.append(Sweep(
                 "decode", cases, ["streamkl", "torch"] + (["torch.compile"] if full else []),
-                [("fwd", None)], variants={"streamkl-triton": SPLIT_K}, max_call_s=5.0,
-                description="small Nq against long Nk, forward, Triton split-K off/on/auto "
-                            "(STREAMKL_TRITON_SPLIT_K)"))
+                [("fwd", None)],
+                variants={"streamkl-triton": split_k_variants([4, 16, 64] if full else [8, 32])},
+                max_call_s=5.0,
+                description="small Nq against long Nk, forward, Triton split-K off / forced "
+                            "counts / auto (STREAMKL_TRITON_SPLIT_K)"))
         elif name == "bwd-strategy":
             selfs = g.bwd_sizes or ([1 * K, 2 * K, 4 * K, 8 * K, 16 * K, 32 * K, 64 * K]
                                     if full else [2 * K, 8 * K, 32 * K])
