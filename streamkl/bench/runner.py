@@ -199,8 +199,6 @@ class Runner:
                 self.fatal = rec["reason"]
 
     def _skip_reason(self, sw: Sweep, case: Case, prov: Provider, mode: str, flops: int, rec: dict):
-        if self.fatal:
-            return "error", f"not run: an earlier CUDA error is sticky ({self.fatal[:200]})"
         if self.remaining() <= 0:
             return "skipped", f"time budget of {self.cfg.time_budget_s:g} s spent"
         classes = ["fwd"] if mode == "fwd" else ["fwd", "train"]
@@ -237,11 +235,22 @@ class Runner:
 
     def _measure(self, sw, case, prov, mode, setting, rec):
         flops = rec["flops"]
+        if self.fatal:
+            rec.update(status="error",
+                       reason=f"not run: an earlier CUDA error is sticky ({self.fatal[:200]})")
+            return
         if prov.kind == "gemm":
+            if self.remaining() <= 0:
+                rec.update(status="skipped", reason=f"time budget of {self.cfg.time_budget_s:g} s spent")
+                return
             g = self.gemm.for_flops(flops)
             rec.update(status="ok", ms=g["scaled_ms"], gemm=g,
                        timer=f"{g['m']}^3 {g['dtype']} GEMM, time scaled by FLOPs ({g['timer']})")
             rec["tflops"] = flops / (rec["ms"] * 1e-3) / 1e12
+            return
+        max_n = sw.provider_max_n.get(prov.name)
+        if max_n is not None and max(case.nq, case.nk) > max_n:
+            rec.update(status="skipped", reason=f"this sweep runs {prov.name} up to N={max_n}")
             return
         sets = self.inputs(case)
         reason = prov.unsupported(sets[0])

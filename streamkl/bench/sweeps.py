@@ -52,6 +52,7 @@ class Sweep:
     max_call_s: float = 10.0                   # skip a provider whose projected call exceeds this
     # per-provider mode restrictions, e.g. {"torch.compile": [("fwd", None), ("bwd", "q2k2")]}
     provider_modes: dict[str, list[tuple[str, str | None]]] = field(default_factory=dict)
+    provider_max_n: dict[str, int] = field(default_factory=dict)  # e.g. {"torch.compile": 8192}
     description: str = ""
 
 
@@ -105,7 +106,10 @@ def build(preset: str, sweeps: list[str], g: Geometry) -> list[Sweep]:
             out.append(Sweep(
                 "n", cases, ["streamkl", "torch", "torch.compile", "gemm"],
                 [("fwd", None), *bwd_modes],
+                # quick: each torch.compile graph costs 10-30 s of compilation, and the dense
+                # formula runs out of memory past 8K-16K anyway
                 provider_modes={} if full else {"torch.compile": [("fwd", None), ("bwd", "q2k2")]},
+                provider_max_n={} if full else {"torch.compile": 8 * K},
                 max_call_s=10.0,
                 description="sequence length N = Nq = Nk; forward and backward per gradient "
                             "setting; peak extra memory"))
@@ -165,7 +169,7 @@ def build(preset: str, sweeps: list[str], g: Geometry) -> list[Sweep]:
             cases = [Case("long", nq=n, nk=n, causal=c, **geo) for c in lc for n in sizes]
             modes = ([("fwd", None)] if full else []) + [("fwd+bwd", "q2k2")]
             out.append(Sweep(
-                "long", cases, ["streamkl", "torch", "torch.compile", "gemm"], modes,
+                "long", cases, ["streamkl", "torch", "gemm"] + (["torch.compile"] if full else []), modes,
                 max_call_s=240.0,
                 description="long context: forward+backward (teacher fixed) at 128K-1M tokens; "
                             "dense baselines are expected to run out of memory"))
