@@ -140,8 +140,11 @@ def _main(argv: list[str]) -> int:
     if dtype not in DTYPES:
         print(f"unknown dtype {dtype!r}; expected one of {', '.join(DTYPES)}", file=sys.stderr)
         return 2
-    torch.backends.cuda.matmul.allow_tf32 = bool(args.tf32)
-    torch.backends.cudnn.allow_tf32 = bool(args.tf32)
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = bool(args.tf32)
+        torch.backends.cudnn.allow_tf32 = bool(args.tf32)
+    except Exception as exc:  # newer torch may refuse mixing with its fp32_precision API
+        print(f"could not set TF32 flags: {exc}", file=sys.stderr)
 
     geo = Geometry(b=args.batch, h=args.heads, d=args.dim, dtype=dtype, causal=args.causal,
                    sizes=_sizes(args.sizes), long_sizes=_sizes(args.long_sizes),

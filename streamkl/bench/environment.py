@@ -101,6 +101,13 @@ def device_slug(info: dict) -> str:
     return slug or "gpu"
 
 
+def _tf32():
+    try:
+        return bool(torch.backends.cuda.matmul.allow_tf32)
+    except Exception:
+        return None
+
+
 def collect(device: torch.device, argv: list[str], commit: str | None = None) -> dict:
     now = _dt.datetime.now(_dt.timezone.utc)
     return {
@@ -116,5 +123,5 @@ def collect(device: torch.device, argv: list[str], commit: str | None = None) ->
         "device": device_info(device),
         "env": {k: v for k, v in os.environ.items()
                 if k.startswith(("STREAMKL_", "TRITON_", "CUDA_VISIBLE", "TORCHINDUCTOR_"))},
-        "tf32_matmul": bool(torch.backends.cuda.matmul.allow_tf32),
+        "tf32_matmul": _tf32(),
     }
