@@ -155,3 +155,30 @@ def test_budget_and_projection_skip(tmp_path):
     data = json.loads((tmp_path / "b" / "results.json").read_text())
     assert data["results"] and all(r["status"] == "skipped" for r in data["results"])
     assert (tmp_path / "b" / "results.md").exists()
+
+
+def test_quick_preset_plan(capsys):
+    """The preset the H200 run uses: every sweep of the issue, at the issue's shapes."""
+    from streamkl.bench.sweeps import Geometry, build
+
+    plan = {sw.name: sw for sw in build("quick", ["n", "decode", "bwd-strategy", "shapes", "long"],
+                                        Geometry())}
+    n = plan["n"]
+    assert {(c.nq, c.causal) for c in n.cases} == {(k * 1024, c) for k in (4, 8, 16, 32)
+                                                    for c in (False, True)}
+    assert all((c.b, c.h, c.d1, c.d2, c.dtype) == (1, 32, 128, 128, "bfloat16") for c in n.cases)
+    assert [m for m in n.modes] == [("fwd", None), ("bwd", "q2k2"), ("bwd", "q1k1"), ("bwd", "all")]
+    assert {"streamkl", "torch", "torch.compile", "gemm"} <= set(n.providers)
+    decode = plan["decode"]
+    assert min(c.nq for c in decode.cases) == 1 and max(c.nq for c in decode.cases) == 256
+    assert {c.nk for c in decode.cases} == {32 * 1024, 128 * 1024}
+    envs = [env["STREAMKL_TRITON_SPLIT_K"] for _, env in decode.variants["streamkl-triton"]]
+    assert envs[0] == "off" and envs[-1] == "auto"
+    envs = [env["STREAMKL_TRITON_BWD"] for _, env in plan["bwd-strategy"].variants["streamkl-triton"]]
+    assert envs == ["fused", "separate", "auto"]
+    shapes = plan["shapes"].cases
+    assert any(c.d1 != c.d2 for c in shapes) and any(c.hk1 and c.hk1 < c.h for c in shapes)
+    assert [c.nq for c in plan["long"].cases] == [128 * 1024, 512 * 1024, 1024 * 1024]
+    assert all(c.causal for c in plan["long"].cases)
+    assert cli.main(["--sweep", "all", "--quick", "--device", "cpu", "--dry-run"]) == 0
+    assert "split_k=auto" in capsys.readouterr().out

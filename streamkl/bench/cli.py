@@ -103,6 +103,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--commit", default=None, help="git commit to record when .git is absent")
     p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the plan (sweeps, cases, providers, modes) and exit")
     return p
 
 
@@ -155,6 +157,19 @@ def _main(argv: list[str]) -> int:
         geo.long_sizes = geo.sizes
     plan = build(preset, sweeps, geo)
 
+    if args.dry_run:
+        for sw in plan:
+            print(f"{sw.name}: {sw.description}")
+            print(f"  providers {', '.join(sw.providers)}; modes "
+                  + ", ".join(m + (f"[{st}]" if st else "") for m, st in sw.modes)
+                  + "".join(f"; {p} only " + ", ".join(m + (f"[{st}]" if st else "") for m, st in ms)
+                            for p, ms in sw.provider_modes.items())
+                  + "".join(f"; {p} up to N={n}" for p, n in sw.provider_max_n.items())
+                  + "".join(f"; {p} variants " + ", ".join(v[0] for v in vs)
+                            for p, vs in sw.variants.items()))
+            for c in sw.cases:
+                print(f"  {c.key}" + (f" ({c.label})" if c.label else ""))
+        return 0
     on_gpu = device.type == "cuda"
     budget = args.time_budget if args.time_budget is not None else PRESET_BUDGET_S[preset]
     tcfg = TimingConfig(warmup_ms=args.warmup_ms, rep_ms=args.rep_ms,

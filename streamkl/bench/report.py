@@ -333,7 +333,7 @@ def _shapes_table(R) -> str:
     order, groups, cols = _variant_rows(
         R, "shapes", lambda r: (r["case"].get("label", ""), r["case"]["causal"], r["mode"],
                                 r.get("setting") or ""))
-    prim = next((p for p in STREAMKL_ORDER if p in cols), None)
+    prim = next((p for p in STREAMKL_ORDER if p in R.providers("shapes")), None)
     rows = []
     for k in order:
         g = groups[k]
@@ -363,8 +363,11 @@ def _long_table(R) -> str:
                      r["mode"] + (f" {r['setting']}" if r.get("setting") else ""), r["provider"],
                      R.cell(r), R.cell(r, "tflops"), R.cell(r, "frac"), R.cell(r, "mem"),
                      (r.get("timer") or r.get("reason") or "")[:90]])
-    return ("## Long context (sweep `long`)\n\nB=1, H=32, D=128 unless the command said "
-            "otherwise; fwd+bwd = one forward and one backward with the teacher fixed.\n\n"
+    c0 = rs[0]["case"]
+    return ("## Long context (sweep `long`)\n\n"
+            f"B={c0['b']}, H={c0['h']}, D={c0['d1']}, {c0['dtype']}, Nq = Nk = N; fwd+bwd = one "
+            "forward and one backward (q2k2: the teacher fixed); peak extra memory beyond inputs, "
+            "output and gradients.\n\n"
             + _table(["N", "causal", "mode", "provider", "ms", "TFLOP/s", "% of GEMM",
                       "peak extra memory", "timer / reason"], rows))
 

@@ -110,7 +110,7 @@ def build(preset: str, sweeps: list[str], g: Geometry) -> list[Sweep]:
                 # formula runs out of memory past 8K-16K anyway
                 provider_modes={} if full else {"torch.compile": [("fwd", None), ("bwd", "q2k2")]},
                 provider_max_n={} if full else {"torch.compile": 8 * K},
-                max_call_s=10.0,
+                max_call_s=120.0 if full else 10.0,
                 description="sequence length N = Nq = Nk; forward and backward per gradient "
                             "setting; peak extra memory"))
         elif name == "decode":
