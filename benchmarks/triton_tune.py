@@ -60,6 +60,38 @@ def gemm_tflops() -> float:
     return 2 * n**3 / ms / 1e9
 
 
+def apply_variant(fwd=None, bq=None, bk=None, split=None, bwd=None):
+    _config.OVERRIDE["fwd"] = Cfg(*fwd) if fwd else None
+    _config.OVERRIDE["bwd_q"] = Cfg(*bq) if bq else None
+    _config.OVERRIDE["bwd_k"] = Cfg(*bk) if bk else None
+    set_env(split=split, bwd=bwd)
+
+
+def _prewarm_one(job):
+    variant, chk = job
+    try:
+        apply_variant(**variant)
+        check(**chk)
+        return None
+    except Exception as e:  # noqa: BLE001 - reported again by the main process
+        return f"{variant} {type(e).__name__}: {str(e)[:120]}"
+
+
+def prewarm(jobs, workers):
+    """Compile every variant in parallel processes (they fill Triton's disk cache; sizes are not
+    specialized, so the main process's check and timing shapes reuse those binaries)."""
+    if workers <= 1 or not jobs:
+        return
+    import multiprocessing as mp
+
+    t = time.time()
+    with mp.get_context("spawn").Pool(min(workers, len(jobs))) as pool:
+        errs = [e for e in pool.map(_prewarm_one, jobs, chunksize=1) if e]
+    log(f"[prewarm: {len(jobs)} variants in {time.time() - t:.0f}s; {len(errs)} failed]")
+    for e in errs:
+        log(f"  prewarm failure: {e}")
+
+
 def set_env(split=None, bwd=None):
     for key, val in (("STREAMKL_TRITON_SPLIT_K", split), ("STREAMKL_TRITON_BWD", bwd)):
         if val is None:
@@ -121,72 +153,77 @@ def record(**row):
 
 def part_fwd(args, gemm):
     b, h, d = 1, 32, 128
-    cfgs = [Cfg(*c) for c in args.fwd_cfgs]
-    for causal in (False, True):
-        for cfg in cfgs:
-            _config.OVERRIDE["fwd"] = cfg
-            set_env(split="off")
-            try:
-                err = check("fwd", causal, 1000, 1000 if causal else 1111)
-                for n in args.ns:
-                    q1, k1, q2, k2 = make_inputs(b=b, h=h, nq=n, nk=n, d1=d, d2=d, dtype=torch.bfloat16, device="cuda", seed=n)
-                    ms = bench(lambda: run_fwd(q1, k1, q2, k2, causal))
-                    tf = flops("fwd", b, h, n, n, d, causal) / ms / 1e9
-                    record(part="fwd", variant=f"fwd {'causal' if causal else 'full'} {cfg}", shape=f"B{b} H{h} N{n} D{d}",
-                           ms=ms, tflops=tf, frac_gemm=tf / gemm, check=err, causal=causal, n=n, cfg=list(cfg.__dict__.values()))
-            except Exception as e:  # noqa: BLE001 - a config that fails to compile is a result
-                log(f"fwd {cfg} causal={causal} FAILED: {type(e).__name__}: {str(e)[:200]}")
-    _config.OVERRIDE["fwd"] = None
-    set_env()
+    plan = [(causal, cfg) for causal in (False, True) for cfg in args.fwd_cfgs]
+    chk = lambda causal: dict(kind="fwd", causal=causal, nq=1000, nk=1000 if causal else 1111)  # noqa: E731
+    prewarm([(dict(fwd=cfg, split="off"), chk(causal)) for causal, cfg in plan], args.workers)
+    for causal, cfg in plan:
+        apply_variant(fwd=cfg, split="off")
+        try:
+            err = check(**chk(causal))
+            for n in args.ns:
+                q1, k1, q2, k2 = make_inputs(b=b, h=h, nq=n, nk=n, d1=d, d2=d, dtype=torch.bfloat16, device="cuda", seed=n)
+                ms = bench(lambda: run_fwd(q1, k1, q2, k2, causal))
+                tf = flops("fwd", b, h, n, n, d, causal) / ms / 1e9
+                record(part="fwd", variant=f"fwd {'causal' if causal else 'full'} {tuple(cfg)}", shape=f"B{b} H{h} N{n} D{d}",
+                       ms=ms, tflops=tf, frac_gemm=tf / gemm, check=err, causal=causal, n=n, cfg=cfg)
+        except Exception as e:  # noqa: BLE001 - a config that fails to compile is a result
+            log(f"fwd {cfg} causal={causal} FAILED: {type(e).__name__}: {str(e)[:200]}")
+    apply_variant()
 
 
 def part_split(args, gemm):
     b, h, d = 1, 32, 128
+    splits = ["off", "auto", 2, 4, 8, 16, 32, 64]
+    chk = lambda nq: dict(kind="fwd", causal=False, nq=nq, nk=3000)  # noqa: E731
+    prewarm([(dict(split=sp), chk(nq)) for nq in args.split_nqs for sp in ("off", 8)], args.workers)
     for nk in args.split_nks:
         for nq in args.split_nqs:
             q1, k1, q2, k2 = make_inputs(b=b, h=h, nq=nq, nk=nk, d1=d, d2=d, dtype=torch.bfloat16, device="cuda", seed=nq)
-            for split in ["off", "auto", 2, 4, 8, 16, 32, 64]:
-                set_env(split=split)
+            for split in splits:
+                apply_variant(split=split)
                 try:
-                    err = check("fwd", False, nq, 3000) if split in ("off", "auto", 8) else None
+                    err = check(**chk(nq)) if split in ("off", "auto", 8) else None
                     ms = bench(lambda: run_fwd(q1, k1, q2, k2, False), 100)
                     tf = flops("fwd", b, h, nq, nk, d, False) / ms / 1e9
-                    chosen = None
-                    if split == "auto":
-                        cfg = _config.fwd_cfg(128, 128, torch.bfloat16, False, nq, False)
-                        chosen = _config.split_count(b * h * triton.cdiv(nq, cfg.block_m), triton.cdiv(nk, cfg.block_n), 132, None)
-                    record(part="split", variant=f"split={split}" + (f"(->{chosen})" if chosen else ""), shape=f"B{b} H{h} Nq{nq} Nk{nk} D{d}",
-                           ms=ms, tflops=tf, frac_gemm=tf / gemm, check=err, nq=nq, nk=nk, split=str(split))
+                    cfg = _config.fwd_cfg(128, 128, torch.bfloat16, False, nq, False)
+                    chosen = _config.split_count(b * h * triton.cdiv(nq, cfg.block_m), triton.cdiv(nk, cfg.block_n), 132, None)
+                    record(part="split", variant=f"split={split}" + (f"(->{chosen})" if split == "auto" else ""),
+                           shape=f"B{b} H{h} Nq{nq} Nk{nk} D{d}", ms=ms, tflops=tf, frac_gemm=tf / gemm, check=err,
+                           nq=nq, nk=nk, split=str(split), auto_choice=chosen)
                 except Exception as e:  # noqa: BLE001
                     log(f"split {split} nq={nq} FAILED: {type(e).__name__}: {str(e)[:200]}")
-    set_env()
+    apply_variant()
 
 
 def part_bwd(args, gemm):
     b, h, d = 1, 32, 128
-    for kind in args.bwd_kinds:
-        for causal in (False, True):
-            for strategy in ("separate", "fused"):
-                for cq, ck in [(Cfg(*a), Cfg(*c)) for a, c in args.bwd_cfgs]:
-                    if strategy == "fused" and cq != Cfg(*args.bwd_cfgs[0][0]):
-                        pass
-                    _config.OVERRIDE["bwd_q"], _config.OVERRIDE["bwd_k"] = cq, ck
-                    set_env(bwd=strategy, split="off")
-                    try:
-                        err = check(kind, causal, 700, 700 if causal else 777)
-                        for n in args.bwd_ns:
-                            q1, k1, q2, k2 = make_inputs(b=b, h=h, nq=n, nk=n, d1=d, d2=d, dtype=torch.bfloat16, device="cuda", seed=n)
-                            out = run_fwd(q1, k1, q2, k2, causal)
-                            g = torch.randn_like(out[0])
-                            ms = bench(lambda: run_bwd(g, q1, k1, q2, k2, out, causal, NEEDS[kind]))
-                            tf = flops(kind, b, h, n, n, d, causal) / ms / 1e9
-                            record(part=kind, variant=f"{strategy} {'causal' if causal else 'full'} q{tuple(cq.__dict__.values())} k{tuple(ck.__dict__.values())}",
-                                   shape=f"B{b} H{h} N{n} D{d}", ms=ms, tflops=tf, frac_gemm=tf / gemm, check=err,
-                                   causal=causal, n=n, strategy=strategy, cfg_q=list(cq.__dict__.values()), cfg_k=list(ck.__dict__.values()))
-                    except Exception as e:  # noqa: BLE001
-                        log(f"{kind} {strategy} {cq} {ck} causal={causal} FAILED: {type(e).__name__}: {str(e)[:300]}")
-    _config.OVERRIDE["bwd_q"] = _config.OVERRIDE["bwd_k"] = None
-    set_env()
+    plan = [(kind, causal, strategy, bq, bk) for kind in args.bwd_kinds for causal in (False, True)
+            for strategy in ("separate", "fused") for bq, bk in args.bwd_cfgs]
+    chk = lambda kind, causal: dict(kind=kind, causal=causal, nq=700, nk=700 if causal else 777)  # noqa: E731
+    prewarm([(dict(bq=bq, bk=bk, bwd=st, split="off"), chk(kind, causal)) for kind, causal, st, bq, bk in plan],
+            args.workers)
+    for kind, causal, strategy, bq, bk in plan:
+        apply_variant(bq=bq, bk=bk, bwd=strategy, split="off")
+        try:
+            err = check(**chk(kind, causal))
+            for n in args.bwd_ns:
+                q1, k1, q2, k2 = make_inputs(b=b, h=h, nq=n, nk=n, d1=d, d2=d, dtype=torch.bfloat16, device="cuda", seed=n)
+                out = run_fwd(q1, k1, q2, k2, causal)
+                g = torch.randn_like(out[0])
+                ms = bench(lambda: run_bwd(g, q1, k1, q2, k2, out, causal, NEEDS[kind]))
+                tf = flops(kind, b, h, n, n, d, causal) / ms / 1e9
+                record(part=kind, variant=f"{strategy[:3]} {'causal' if causal else 'full'} q{tuple(bq)} k{tuple(bk)}",
+                       shape=f"B{b} H{h} N{n} D{d}", ms=ms, tflops=tf, frac_gemm=tf / gemm, check=err,
+                       causal=causal, n=n, strategy=strategy, cfg_q=bq, cfg_k=bk)
+        except Exception as e:  # noqa: BLE001
+            log(f"{kind} {strategy} {bq} {bk} causal={causal} FAILED: {type(e).__name__}: {str(e)[:300]}")
+    apply_variant()
+
+
+def dump(args, meta):
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "triton_tune.json"), "w") as f:
+        json.dump(dict(meta=meta, rows=ROWS), f, indent=1)
 
 
 def main():
@@ -197,8 +234,9 @@ def main():
     p.add_argument("--bwd-kinds", nargs="+", default=["bwd1", "bwd12"])
     p.add_argument("--split-nqs", type=int, nargs="+", default=[1, 16, 64, 128, 256, 512])
     p.add_argument("--split-nks", type=int, nargs="+", default=[32768])
-    p.add_argument("--fwd-cfgs", type=json.loads, default=[[128, 64, 8, 3], [128, 32, 8, 3], [128, 64, 8, 2]])
-    p.add_argument("--bwd-cfgs", type=json.loads, default=[[[64, 32, 4, 2], [32, 64, 4, 2]]])
+    p.add_argument("--fwd-cfgs", type=json.loads, default=[[128, 64, 8, 3], [128, 64, 8, 2], [128, 128, 8, 2], [128, 32, 8, 3], [64, 64, 4, 2]])
+    p.add_argument("--bwd-cfgs", type=json.loads, default=[[[128, 64, 8, 2], [32, 128, 8, 2]], [[64, 32, 4, 2], [64, 64, 8, 2]], [[64, 64, 8, 2], [32, 64, 4, 2]]])
+    p.add_argument("--workers", type=int, default=min(12, os.cpu_count() or 1))
     p.add_argument("--commit", default=os.environ.get("COMMIT", "unknown"))
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args()
@@ -213,6 +251,7 @@ def main():
     t0 = time.time()
     gemm0 = gemm_tflops()
     log(f"gemm bf16 8192^3: {gemm0:.1f} TFLOP/s (start)")
+    meta.update(gemm_tflops_start=gemm0)
     for name, fn in (("fwd", part_fwd), ("split", part_split), ("bwd", part_bwd)):
         if name in parts:
             try:
@@ -220,12 +259,11 @@ def main():
             except Exception:  # noqa: BLE001
                 log(traceback.format_exc())
             log(f"[{name} done at {time.time() - t0:.0f}s]")
+            dump(args, meta)
     gemm1 = gemm_tflops()
     log(f"gemm bf16 8192^3: {gemm1:.1f} TFLOP/s (end)")
     meta.update(gemm_tflops_start=gemm0, gemm_tflops_end=gemm1, seconds=time.time() - t0)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "triton_tune.json"), "w") as f:
-        json.dump(dict(meta=meta, rows=ROWS), f, indent=1)
+    dump(args, meta)
     print("\n# summary (TFLOP/s, fraction of the start GEMM; err/budget <= 1 passes)")
     for r in ROWS:
         chk = "" if r.get("check") is None else f" {r['check']:.2f}"
