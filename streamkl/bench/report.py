@@ -126,6 +126,7 @@ def render_markdown(data: dict) -> str:
     dev = meta.get("device", {})
     parts = [f"# streamkl benchmarks: {dev.get('name', '?')}, {meta.get('date', '?')}\n"]
     parts.append(_header(data))
+    parts.append(_summary(R))
     primaries = [p for p in STREAMKL_ORDER if p in R.providers("n")]
     if primaries:
         parts.append("## Sequence length (sweep `n`)\n")
@@ -153,6 +154,57 @@ def render_markdown(data: dict) -> str:
     parts.append(_failures(R))
     parts.append(_all_results(R))
     return "\n".join(p for p in parts if p)
+
+
+def _summary(R) -> str:
+    """A few sentences read off the tables: the headline speed-ups, where the dense baselines
+    run out of memory, the long-context figures, and anything that failed."""
+    lines = []
+    prim = next((p for p in STREAMKL_ORDER if p in R.providers("n") and p != "streamkl-reference"),
+                None) or next((p for p in STREAMKL_ORDER if p in R.providers("n")), None)
+    if prim:
+        for mode, setting, what in (("fwd", None, "forward"), ("bwd", "q2k2", "backward (setting 1)")):
+            for causal in (False, True):
+                best = None
+                for _c, nq, _nk, _ in _cases(R, "n"):
+                    f = _same_nc(nq, causal)
+                    s = R.ms(R.get("n", prim, f, mode, setting))
+                    c = R.ms(R.get("n", "torch.compile", f, mode, setting))
+                    t = R.ms(R.get("n", "torch", f, mode, setting))
+                    if s and (c or t):
+                        best = (nq, s, c, t, R.get("n", prim, f, mode, setting))
+                if best:
+                    nq, sm, cm, tm, rec = best
+                    vs = ", ".join(x for x in (
+                        f"{cm / sm:.1f}x torch.compile" if cm else "",
+                        f"{tm / sm:.1f}x PyTorch" if tm else "") if x)
+                    frac = f" ({R.cell(rec, 'frac')} of the GEMM)" if R.gemm_tflops else ""
+                    lines.append(f"- {prim} {what}, {'causal' if causal else 'non-causal'}, "
+                                 f"N={_n(nq)} (largest N with a baseline): {_ms(sm)} ms, {vs}; "
+                                 f"{R.cell(rec, 'tflops')} TFLOP/s{frac}.")
+    for base in ("torch", "torch.compile"):
+        ooms = [r for r in R.results if r["provider"] == base and r["status"] == "oom"
+                and not r.get("implied")]
+        if ooms:
+            first = min(ooms, key=lambda r: r["case"]["nq"] * r["case"]["nk"])
+            c = first["case"]
+            lines.append(f"- {base} first ran out of memory at Nq={_n(c['nq'])}, Nk={_n(c['nk'])} "
+                         f"({first['mode']}{' ' + first['setting'] if first.get('setting') else ''}, "
+                         f"sweep {first['sweep']}); larger problems are recorded as OOM untried.")
+    for r in R.results:
+        if r["sweep"] == "long" and r["status"] == "ok" and r["provider"].startswith("streamkl"):
+            c = r["case"]
+            lines.append(f"- {r['provider']} {r['mode']}{' ' + r['setting'] if r.get('setting') else ''} "
+                         f"at {_n(c['nq'])} tokens{' causal' if c['causal'] else ''}: {_ms(r['ms'])} ms, "
+                         f"peak extra memory {_mem(r.get('mem_extra_bytes'))}.")
+    counts = defaultdict(int)
+    for r in R.results:
+        counts[r["status"]] += 1
+    bad = sum(1 for r in R.results if r["status"] == "ok" and (
+        (r.get("check") or {}).get("kl_ok") is False or (r.get("check") or {}).get("grad_ok") is False))
+    lines.append("- measurements: " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items()))
+                 + f"; {bad} over the SPEC error budget.")
+    return "## Summary\n\n" + "\n".join(lines) + "\n"
 
 
 def _header(data: dict) -> str:
