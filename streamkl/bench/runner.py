@@ -147,7 +147,8 @@ class Runner:
     # ---------------------------------------------------------------- the sweep loop
     def run_sweeps(self, sweeps: list[Sweep]) -> None:
         for sw in sweeps:
-            self.log(f"== sweep {sw.name}: {len(sw.cases)} cases ({sw.description})")
+            self.log(f"== sweep {sw.name} at {self.elapsed():.0f} s: {len(sw.cases)} cases "
+                     f"({sw.description})")
             providers = discover(self.cfg.providers or sw.providers, self.cfg.compile_backend)
             if self.cfg.providers:  # an explicit --providers list is intersected with the sweep's
                 allowed = {p.name for p in discover(sw.providers, self.cfg.compile_backend)}
@@ -220,6 +221,9 @@ class Runner:
             if proj > cap:
                 return "skipped", f"projected {proj:.3g} s per call > cap {cap:g} s"
             total = self.projected_total(proj)
+            if prov.name == "torch.compile":  # each measurement compiles afresh
+                total += max([r.get("compile_s") or 0 for r in self.results
+                              if r["provider"] == "torch.compile"] or [0.0])
             if total > self.remaining():
                 return "skipped", (f"projected {total:.3g} s > {self.remaining():.3g} s "
                                    "left of the time budget")
