@@ -219,6 +219,7 @@ def _main(argv: list[str]) -> int:
         runner.run_sweeps(plan)
         if runner.remaining() > 0 or not math.isfinite(cfg.time_budget_s):
             runner.measure_gemm_yardstick("gemm_yardstick_end")
+        runner.data["meta"]["clocks_at_end"] = environment.clocks(device)
     except KeyboardInterrupt:
         log("interrupted: writing what was measured")
         status = 130

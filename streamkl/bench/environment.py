@@ -92,6 +92,17 @@ def device_info(device: torch.device) -> dict:
     return info
 
 
+def clocks(device: torch.device) -> dict | None:
+    """SM clock, power draw and temperature now (nvidia-smi), to see throttling over a run."""
+    if device.type != "cuda":
+        return None
+    smi = _run(["nvidia-smi", f"--id={device.index or 0}",
+                "--query-gpu=clocks.sm,power.draw,temperature.gpu", "--format=csv,noheader"])
+    if not smi:
+        return None
+    return dict(zip(("sm_clock", "power_draw", "temperature"), (f.strip() for f in smi.split(","))))
+
+
 def device_slug(info: dict) -> str:
     """A short folder-friendly name: 'h200', 'h100-80gb-hbm3', 'cpu'."""
     if info.get("type") != "cuda":
