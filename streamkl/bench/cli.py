@@ -53,7 +53,8 @@ def parser() -> argparse.ArgumentParser:
                    help=f"comma list of {', '.join(SWEEPS)}, or 'all', or 'smoke' (= --smoke)")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--quick", action="store_true",
-                   help="the main sweeps sized for one ~8 minute H200 run (time budget 500 s)")
+                   help="(the default preset) the main sweeps sized for one ~8 minute H200 run, time "
+                        "budget 500 s")
     g.add_argument("--full", action="store_true", help="the whole published grid (hours)")
     g.add_argument("--smoke", action="store_true",
                    help="every sweep at tiny sizes on CPU in seconds (what CI runs)")
