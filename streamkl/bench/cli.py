@@ -166,6 +166,7 @@ def _main(argv: list[str]) -> int:
                   + "".join(f"; {p} only " + ", ".join(m + (f"[{st}]" if st else "") for m, st in ms)
                             for p, ms in sw.provider_modes.items())
                   + "".join(f"; {p} up to N={n}" for p, n in sw.provider_max_n.items())
+                  + "".join(f"; {p} at N in {ns} only" for p, ns in sw.provider_only_n.items())
                   + "".join(f"; {p} variants " + ", ".join(v[0] for v in vs)
                             for p, vs in sw.variants.items()))
             for c in sw.cases:

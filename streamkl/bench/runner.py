@@ -275,6 +275,10 @@ class Runner:
         if max_n is not None and max(case.nq, case.nk) > max_n:
             rec.update(status="skipped", reason=f"this sweep runs {prov.name} up to N={max_n}")
             return
+        only = sw.provider_only_n.get(prov.name)
+        if only is not None and case.nq not in only:
+            rec.update(status="skipped", reason=f"this sweep runs {prov.name} at N in {only} only")
+            return
         sets = self.inputs(case)
         reason = prov.unsupported(sets[0])
         if reason is not None:

@@ -52,7 +52,8 @@ class Sweep:
     max_call_s: float = 10.0                   # skip a provider whose projected call exceeds this
     # per-provider mode restrictions, e.g. {"torch.compile": [("fwd", None), ("bwd", "q2k2")]}
     provider_modes: dict[str, list[tuple[str, str | None]]] = field(default_factory=dict)
-    provider_max_n: dict[str, int] = field(default_factory=dict)  # e.g. {"torch.compile": 8192}
+    provider_max_n: dict[str, int] = field(default_factory=dict)  # e.g. {"streamkl-reference": 8192}
+    provider_only_n: dict[str, list[int]] = field(default_factory=dict)  # {"torch.compile": [8192]}
     description: str = ""
 
 
@@ -106,10 +107,12 @@ def build(preset: str, sweeps: list[str], g: Geometry) -> list[Sweep]:
             out.append(Sweep(
                 "n", cases, ["streamkl", "torch", "torch.compile", "gemm"],
                 [("fwd", None), *bwd_modes],
-                # quick: each torch.compile graph costs 10-30 s of compilation, and the dense
-                # formula runs out of memory past 8K-16K anyway
+                # quick: each torch.compile graph costs 10-30 s of compilation, so it is compiled
+                # at 8K only (the comparison point; the dense formula runs out of memory
+                # past 8K-16K anyway), forward and setting 1; the reference stops at 8K
                 provider_modes={} if full else {"torch.compile": [("fwd", None), ("bwd", "q2k2")]},
-                provider_max_n={} if full else {"torch.compile": 8 * K},
+                provider_only_n={} if full or g.sizes else {"torch.compile": [8 * K]},
+                provider_max_n={} if full else {"streamkl-reference": 8 * K},
                 max_call_s=120.0 if full else 10.0,
                 description="sequence length N = Nq = Nk; forward and backward per gradient "
                             "setting; peak extra memory"))
