@@ -6,6 +6,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -185,3 +188,24 @@ def test_quick_preset_plan(capsys):
     assert all(c.causal for c in plan["long"].cases)
     assert cli.main(["--sweep", "all", "--quick", "--device", "cpu", "--dry-run"]) == 0
     assert "split_k=auto" in capsys.readouterr().out
+
+
+def test_triton_provider_under_the_interpreter(tmp_path):
+    """The Triton backend through the harness (env variants included), on CPU tensors, in a
+    fresh `python -m streamkl.bench` process: Triton must see TRITON_INTERPRET=1 before import."""
+    pytest.importorskip("triton")
+    argv = ["--sweep", "n,decode", "--device", "cpu", "--heads", "1", "--dim", "16", "--sizes", "32",
+            "--causal", "1", "--settings", "q2k2", "--decode-nq", "1", "--decode-nk", "64",
+            "--providers", "streamkl-triton", "--no-plots", "--out", str(tmp_path)]
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-m", "streamkl.bench", *argv], env=env, cwd=root,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads((tmp_path / "results.json").read_text())["results"]
+    assert {(r["sweep"], r["mode"], r["variant"]) for r in results if r["status"] == "ok"} == {
+        ("n", "fwd", ""), ("n", "bwd", ""), ("decode", "fwd", "split_k=off"),
+        ("decode", "fwd", "split_k=8"), ("decode", "fwd", "split_k=32"),
+        ("decode", "fwd", "split_k=auto")}
+    assert all(r["check"]["kl_ok"] and r["check"].get("grad_ok", True) for r in results)
