@@ -113,6 +113,24 @@ def test_report_rerenders_from_json(smoke_run, tmp_path, capsys):
     assert (tmp_path / "latency_vs_n.png").exists()
 
 
+def test_report_merges_runs(smoke_run, tmp_path):
+    out, data = smoke_run
+    other = json.loads(json.dumps(data))
+    other["meta"]["argv"] = ["python -m streamkl.bench", "--sweep", "long"]
+    other["results"] = [r for r in other["results"] if r["sweep"] == "long"]
+    for r in other["results"]:
+        r["ms"] = r.get("ms", 1.0) * 2
+    (tmp_path / "long.json").write_text(json.dumps(other))
+    assert report.main([str(out / "results.json"), str(tmp_path / "long.json"),
+                        "--out", str(tmp_path / "merged"), "--no-plots"]) == 0
+    merged = json.loads((tmp_path / "merged" / "results.json").read_text())
+    assert len(merged["results"]) == len(data["results"])
+    assert len(merged["meta"]["merged_runs"]) == 2
+    long_ok = [r for r in merged["results"] if r["sweep"] == "long" and r["status"] == "ok"]
+    assert long_ok and all(r in other["results"] for r in long_ok)
+    assert "--sweep long" in (tmp_path / "merged" / "results.md").read_text()
+
+
 def test_oom_and_errors_are_recorded_and_the_run_goes_on(tmp_path, monkeypatch):
     real_dense = providers.dense_fp32
 

@@ -233,7 +233,9 @@ def _header(data: dict) -> str:
         ["software", f"python {meta.get('python')}, {sw}"],
         ["commit", f"`{commit}`"],
         ["date", meta.get("time_utc", "?")],
-        ["command", "`" + " ".join(meta.get("argv", [])) + "`"],
+        ["command", "<br>".join("`" + " ".join(m.get("argv") or []) + "`"
+                                for m in meta.get("merged_runs", [])) or
+         "`" + " ".join(meta.get("argv", [])) + "`"],
         ["preset", f"{cfg.get('preset')} (sweeps {', '.join(cfg.get('sweeps', []))}); "
                    f"time budget {cfg.get('time_budget_s')} s; ran {meta.get('elapsed_s')} s"
                    + ("; **stopped by the hard timeout**" if meta.get("hard_timeout") else "")],
@@ -663,6 +665,29 @@ def _style(ax, title, xlabel, ylabel):
 
 
 # ----------------------------------------------------------------------------- entry points
+def merge(runs: list[dict]) -> dict:
+    """One result set from several runs on the same device: the first run's header, every
+    run's measurements (a later run's record replaces an earlier one of the same key), and
+    each run's command, commit and date under meta.merged_runs."""
+    if len(runs) == 1:
+        return runs[0]
+    data = json.loads(json.dumps(runs[0]))
+    names = {str(r.get("meta", {}).get("device", {}).get("name")) for r in runs}
+    if len(names) > 1:
+        raise SystemExit(f"refusing to merge runs from different devices: {sorted(names)}")
+    merged: dict = {}
+    for run in runs:
+        for r in run.get("results", []):
+            key = (r["sweep"], r.get("case_key"), r["provider"], r.get("variant"), r["mode"],
+                   r.get("setting"))
+            merged[key] = r
+    data["results"] = list(merged.values())
+    data["meta"]["merged_runs"] = [
+        {"argv": r["meta"].get("argv"), "git": r["meta"].get("git"), "time_utc": r["meta"].get("time_utc"),
+         "gemm_tflops": (r.get("gemm_yardstick") or {}).get("tflops")} for r in runs]
+    return data
+
+
 def render(data: dict, out: Path, plots: bool = True, log=print) -> list[Path]:
     """Write results.md (and the PNG plots) into `out`; returns the paths written."""
     out = Path(out)
@@ -682,13 +707,19 @@ def render(data: dict, out: Path, plots: bool = True, log=print) -> list[Path]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m streamkl.bench.report",
                                 description="Re-render results.md and the plots from a results.json.")
-    p.add_argument("json", help="a results.json written by python -m streamkl.bench")
-    p.add_argument("--out", help="folder for results.md and PNGs (default: the JSON's folder)")
+    p.add_argument("json", nargs="+",
+                   help="results.json written by python -m streamkl.bench; several (runs on one "
+                        "device, e.g. the quick sweeps and a separate long-context run) are merged")
+    p.add_argument("--out", help="folder for results.md and PNGs (default: the first JSON's folder)")
     p.add_argument("--no-plots", action="store_true")
     args = p.parse_args(argv)
-    path = Path(args.json)
-    data = json.loads(path.read_text())
-    written = render(data, Path(args.out) if args.out else path.parent, plots=not args.no_plots)
+    paths = [Path(j) for j in args.json]
+    data = merge([json.loads(path.read_text()) for path in paths])
+    out = Path(args.out) if args.out else paths[0].parent
+    if len(paths) > 1:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "results.json").write_text(json.dumps(data, indent=1))
+    written = render(data, out, plots=not args.no_plots)
     for w in written:
         print(w)
     return 0
