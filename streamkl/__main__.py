@@ -12,7 +12,8 @@ import sys
 import torch
 
 from . import _checks, _dispatch
-from .testing import kl_tolerance, make_inputs, peak_extra_bytes, time_ms
+from .bench.timing import PeakMemory, TimingConfig, bench, tensor_bytes, wall
+from .testing import cpu_peak_bytes, kl_tolerance, make_inputs
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
            "fp64": torch.float64}
@@ -41,24 +42,32 @@ def _row(name, module, inputs, args, ref):
     q1, k1, q2, k2 = inputs
     kw = dict(causal=args.causal, scale1=args.scale1, scale2=args.scale2, cu_seqlens=None,
               max_seqlen=None)
-    kl, lse1, lse2 = module.forward(q1, k1, q2, k2, **kw)
-    err = ((kl.double() - ref).abs() / ref.abs().clamp_min(1.0)).max().item()
-    grad = torch.randn_like(kl)
-    needs = (True,) * 4
+    device = q1.device
 
     def fwd():
         return module.forward(q1, k1, q2, k2, **kw)
 
+    (kl, lse1, lse2), fwd_s = wall(fwd, device)  # the first call: JIT warm-up and the check
+    err = ((kl.double() - ref).abs() / ref.abs().clamp_min(1.0)).max().item()
+    grad = torch.randn_like(kl)
+
     def fwd_bwd():
         out = module.forward(q1, k1, q2, k2, **kw)
-        return module.backward(grad, q1, k1, q2, k2, *out, **kw, needs=needs)
+        return out, module.backward(grad, q1, k1, q2, k2, *out, **kw, needs=(True,) * 4)
 
-    repeats = 5 if args.device == "cpu" else 20
-    fwd_ms = time_ms(fwd, q1.device, repeats=repeats, warmup=1)
-    fwd_bwd_ms = time_ms(fwd_bwd, q1.device, repeats=repeats, warmup=1)
-    # peak beyond inputs, minus the outputs (kl, lse1, lse2) and the four gradients
-    outputs = 3 * kl.numel() * kl.element_size() + sum(t.numel() * t.element_size() for t in inputs)
-    extra = max(peak_extra_bytes(fwd_bwd, q1.device) - outputs, 0)
+    results, fwd_bwd_s = wall(fwd_bwd, device)
+    config = TimingConfig()
+    fwd_ms = bench(fwd, device, fwd_s, config)["ms"]
+    fwd_bwd_ms = bench(fwd_bwd, device, fwd_bwd_s, config)["ms"]
+    # the workspace: peak beyond the inputs, minus what the call hands back (kl, lse, gradients)
+    kept = tensor_bytes(results)
+    del results
+    if device.type == "cuda":
+        with PeakMemory(device) as peak:
+            fwd_bwd()
+        extra = peak.extra(kept)
+    else:
+        extra = max(cpu_peak_bytes(fwd_bwd) - kept, 0)
     ok = err <= kl_tolerance(q1.dtype)
     return [name, f"{err:.2e}", "ok" if ok else "FAIL", f"{fwd_ms:.2f}", f"{fwd_bwd_ms:.2f}",
             f"{extra / 2**20:.1f}"], ok

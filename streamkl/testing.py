@@ -101,38 +101,6 @@ def assert_kl_close(kl: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> 
     assert worst <= 1.0, f"KL off by {err.max().item():.3e} (worst row at {worst:.2f}x the budget)"
 
 
-def time_ms(fn, device: torch.device, repeats: int = 20, warmup: int = 3) -> float:
-    """Median milliseconds of fn(): device events through triton.testing.do_bench on CUDA
-    (warm-up excluded), perf_counter around synchronous calls on CPU."""
-    if device.type == "cuda":
-        try:
-            from triton.testing import do_bench
-        except ImportError:
-            do_bench = None
-        if do_bench is not None:
-            return float(do_bench(fn, warmup=25, rep=100, return_mode="median"))
-        times = []
-        for i in range(warmup + repeats):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            if i >= warmup:
-                times.append(start.elapsed_time(end))
-        return sorted(times)[len(times) // 2]
-    import time
-
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return sorted(times)[len(times) // 2]
-
-
 class _LiveBytes(torch.utils._python_dispatch.TorchDispatchMode):
     """Tracks the bytes of tensors that ops allocate and that are still alive (CPU stand-in for
     torch.cuda.max_memory_allocated)."""
@@ -164,16 +132,10 @@ class _LiveBytes(torch.utils._python_dispatch.TorchDispatchMode):
         return out
 
 
-def peak_extra_bytes(fn, device: torch.device) -> int:
-    """Peak bytes allocated while fn() runs beyond what was allocated before it (outputs
-    included: subtract them yourself)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats(device)
-        before = torch.cuda.memory_allocated(device)
-        fn()
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated(device) - before
+def cpu_peak_bytes(fn) -> int:
+    """Peak bytes of tensors allocated and alive while fn() runs on the CPU (outputs included:
+    subtract them yourself). A dispatch mode sees a custom op as one call, so call backend
+    functions, not the op, to see their workspace; on CUDA use streamkl.bench.timing.PeakMemory."""
     with _LiveBytes() as mode:
         fn()
     return mode.peak
