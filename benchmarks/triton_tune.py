@@ -61,6 +61,7 @@ def gemm_tflops() -> float:
 
 
 def apply_variant(fwd=None, bq=None, bk=None, split=None, bwd=None):
+    # None = the shipped table (streamkl/backends/triton/_config.py) / the auto rules.
     _config.OVERRIDE["fwd"] = Cfg(*fwd) if fwd else None
     _config.OVERRIDE["bwd_q"] = Cfg(*bq) if bq else None
     _config.OVERRIDE["bwd_k"] = Cfg(*bk) if bk else None
@@ -158,13 +159,14 @@ def part_fwd(args, gemm):
     prewarm([(dict(fwd=cfg, split="off"), chk(causal)) for causal, cfg in plan], args.workers)
     for causal, cfg in plan:
         apply_variant(fwd=cfg, split="off")
+        name = "default" if cfg is None else tuple(cfg)
         try:
             err = check(**chk(causal))
             for n in args.ns:
                 q1, k1, q2, k2 = make_inputs(b=b, h=h, nq=n, nk=n, d1=d, d2=d, dtype=torch.bfloat16, device="cuda", seed=n)
                 ms = bench(lambda: run_fwd(q1, k1, q2, k2, causal))
                 tf = flops("fwd", b, h, n, n, d, causal) / ms / 1e9
-                record(part="fwd", variant=f"fwd {'causal' if causal else 'full'} {tuple(cfg)}", shape=f"B{b} H{h} N{n} D{d}",
+                record(part="fwd", variant=f"fwd {'causal' if causal else 'full'} {name}", shape=f"B{b} H{h} N{n} D{d}",
                        ms=ms, tflops=tf, frac_gemm=tf / gemm, check=err, causal=causal, n=n, cfg=cfg)
         except Exception as e:  # noqa: BLE001 - a config that fails to compile is a result
             log(f"fwd {cfg} causal={causal} FAILED: {type(e).__name__}: {str(e)[:200]}")
@@ -186,7 +188,8 @@ def part_split(args, gemm):
                     ms = bench(lambda: run_fwd(q1, k1, q2, k2, False), 100)
                     tf = flops("fwd", b, h, nq, nk, d, False) / ms / 1e9
                     cfg = _config.fwd_cfg(128, 128, torch.bfloat16, False, nq, False)
-                    chosen = _config.split_count(b * h * triton.cdiv(nq, cfg.block_m), triton.cdiv(nk, cfg.block_n), 132, None)
+                    chosen = _config.split_count(b * h * triton.cdiv(nq, cfg.block_m), triton.cdiv(nk, cfg.block_n), 132, None,
+                                                 cfg.block_m)
                     record(part="split", variant=f"split={split}" + (f"(->{chosen})" if split == "auto" else ""),
                            shape=f"B{b} H{h} Nq{nq} Nk{nk} D{d}", ms=ms, tflops=tf, frac_gemm=tf / gemm, check=err,
                            nq=nq, nk=nk, split=str(split), auto_choice=chosen)
@@ -198,7 +201,7 @@ def part_split(args, gemm):
 def part_bwd(args, gemm):
     b, h, d = 1, 32, 128
     plan = [(kind, causal, strategy, bq, bk) for kind in args.bwd_kinds for causal in (False, True)
-            for strategy in ("separate", "fused") for bq, bk in args.bwd_cfgs]
+            for strategy in args.strategies for bq, bk in args.bwd_cfgs]
     chk = lambda kind, causal: dict(kind=kind, causal=causal, nq=700, nk=700 if causal else 777)  # noqa: E731
     prewarm([(dict(bq=bq, bk=bk, bwd=st, split="off"), chk(kind, causal)) for kind, causal, st, bq, bk in plan],
             args.workers)
@@ -212,9 +215,18 @@ def part_bwd(args, gemm):
                 g = torch.randn_like(out[0])
                 ms = bench(lambda: run_bwd(g, q1, k1, q2, k2, out, causal, NEEDS[kind]))
                 tf = flops(kind, b, h, n, n, d, causal) / ms / 1e9
-                record(part=kind, variant=f"{strategy[:3]} {'causal' if causal else 'full'} q{tuple(bq)} k{tuple(bk)}",
+                # Peak device memory beyond inputs, forward outputs and the gradients themselves.
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                base = torch.cuda.memory_allocated()
+                grads = run_bwd(g, q1, k1, q2, k2, out, causal, NEEDS[kind])
+                torch.cuda.synchronize()
+                own = sum(t.numel() * t.element_size() for t in grads if t is not None)
+                extra_mb = (torch.cuda.max_memory_allocated() - base - own) / 2**20
+                del grads
+                record(part=kind, variant=f"{strategy[:3]} {'causal' if causal else 'full'} " + ("default" if bq is None else f"q{tuple(bq)} k{tuple(bk)}"),
                        shape=f"B{b} H{h} N{n} D{d}", ms=ms, tflops=tf, frac_gemm=tf / gemm, check=err,
-                       causal=causal, n=n, strategy=strategy, cfg_q=bq, cfg_k=bk)
+                       causal=causal, n=n, strategy=strategy, cfg_q=bq, cfg_k=bk, extra_mem_mb=extra_mb)
         except Exception as e:  # noqa: BLE001
             log(f"{kind} {strategy} {bq} {bk} causal={causal} FAILED: {type(e).__name__}: {str(e)[:300]}")
     apply_variant()
@@ -236,6 +248,7 @@ def main():
     p.add_argument("--split-nks", type=int, nargs="+", default=[32768])
     p.add_argument("--fwd-cfgs", type=json.loads, default=[[128, 64, 8, 3], [128, 64, 8, 2], [128, 128, 8, 2], [128, 32, 8, 3], [64, 64, 4, 2]])
     p.add_argument("--bwd-cfgs", type=json.loads, default=[[[128, 64, 8, 2], [32, 128, 8, 2]], [[64, 32, 4, 2], [64, 64, 8, 2]], [[64, 64, 8, 2], [32, 64, 4, 2]]])
+    p.add_argument("--strategies", nargs="+", default=["separate", "fused"])
     p.add_argument("--workers", type=int, default=min(12, os.cpu_count() or 1))
     p.add_argument("--commit", default=os.environ.get("COMMIT", "unknown"))
     p.add_argument("--out", default=os.environ.get("OUT", "."))

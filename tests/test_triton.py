@@ -119,6 +119,16 @@ def test_only_needed_grads(needs, strategy):
     _check(q1, k1, q2, k2, causal=True, needs=needs)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_pipelined_forward(causal, monkeypatch):
+    # The hand-pipelined unmasked loop (the H200 default) at interpreter tile sizes.
+    monkeypatch.setitem(_config.OVERRIDE, "fwd", _config.Cfg(16, 16, 4, 1, pipe=True))
+    monkeypatch.setenv("STREAMKL_TRITON_SPLIT_K", "off")
+    q1, k1, q2, k2 = make_inputs(b=2, h=4, hk1=2, hk2=1, nq=37, nk=45, d1=24, d2=16, device=DEVICE,
+                                 layout="bnhd", seed=12)
+    _check(q1, k1, q2, k2, causal=causal, needs=SETTING1)
+
+
 def test_no_grads_needed():
     q1, k1, q2, k2 = make_inputs(b=1, h=2, nq=8, nk=8, d1=16, d2=16, device=DEVICE)
     kl, lse1, lse2, kw = _run(q1, k1, q2, k2)
@@ -211,6 +221,9 @@ def test_env_overrides(monkeypatch):
 def test_split_rule():
     # A grid that fills the SMs is never split; a decode-sized one is, with >= MIN_TILES tiles a split.
     assert _config.split_count(132, 512, 132, None) == 1
+    assert _config.split_count(128, 512, 132, None) == 1  # Nq=512 at H=32: measured no gain
+    assert _config.split_count(64, 512, 132, None) == 2  # Nq=256: 2 splits measured best
+    assert _config.split_count(32, 512, 132, None, block_m=16) == 8  # decode: 8 measured best
     s = _config.split_count(32, 512, 132, None)
     assert s >= 2 and 512 // s >= _config.MIN_TILES
     assert _config.split_count(32, 4, 132, None) == 1  # too few key tiles to share

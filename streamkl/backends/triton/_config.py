@@ -20,6 +20,8 @@ class Cfg:
     block_n: int
     num_warps: int
     num_stages: int
+    pipe: bool = False  # forward only: hand-pipelined S GEMMs (see _fwd._fwd_inner_pipe)
+    exp16: bool = False  # forward only, with pipe, 16-bit inputs: student exponentials in f16x2
 
 
 def pow2_dim(d: int) -> int:
@@ -85,7 +87,8 @@ def fwd_cfg(d1p: int, d2p: int, dtype: torch.dtype, causal: bool, nq: int, inter
         cfg = _FWD[_key(d1p, d2p, dtype)]
     # Decode-sized Nq: a BLOCK_M no larger than Nq (at least 16, tl.dot's minimum).
     bm = max(16, min(cfg.block_m, _next_pow2(nq)))
-    return Cfg(bm, cfg.block_n, cfg.num_warps if bm >= 64 else 4, cfg.num_stages)
+    return Cfg(bm, cfg.block_n, cfg.num_warps if bm >= 64 else 4, cfg.num_stages, cfg.pipe,
+               cfg.exp16 and dtype != torch.float32)
 
 
 def bwd_cfgs(d1p: int, d2p: int, dtype: torch.dtype, causal: bool, interpret: bool) -> tuple[Cfg, Cfg]:
@@ -96,21 +99,26 @@ def bwd_cfgs(d1p: int, d2p: int, dtype: torch.dtype, causal: bool, interpret: bo
     return OVERRIDE["bwd_q"] or q, OVERRIDE["bwd_k"] or k
 
 
-def split_count(n_ctas: int, nk_tiles: int, num_sms: int, forced: int | None) -> int:
+def split_count(n_ctas: int, nk_tiles: int, num_sms: int, forced: int | None, block_m: int = 128) -> int:
     """Key-axis splits for the forward. `forced` (STREAMKL_TRITON_SPLIT_K=N) wins; 1 = off.
 
-    Rule: split only when the plain grid (n_ctas = B*H*cdiv(Nq, BLOCK_M) programs) fills less
-    than one wave of the SMs; then aim at about two programs per SM, keeping at least
-    MIN_TILES key tiles per split so the merge stays negligible. Measured on the H200
-    (B=1, H=32, D=128, bf16, Nk=32K; docs/triton.md): see SPLIT_NOTE below.
+    Rule, measured on the H200 (B=1, H=32, D=128, bf16, Nk=32K, 2026-11-29; docs/triton.md):
+    the plain grid has n_ctas = B*H*cdiv(Nq, BLOCK_M) programs. Split only when it fills at most
+    half the SMs (n_ctas <= num_sms/2), into about one wave of programs (two waves when
+    BLOCK_M < 64, whose programs are light), keeping >= MIN_TILES key tiles per split.
+      Nq=1/16 (32 ctas): off 0.67 ms; 8 splits 0.14 ms (4: 0.16, 64: 0.15)
+      Nq=64   (32 ctas): off 0.87 ms; 4 splits 0.22 ms (8: 0.22, 64: 0.27)
+      Nq=128  (32 ctas): off 0.78 ms; 4 splits 0.22 ms (2: 0.39, 64: 0.27)
+      Nq=256  (64 ctas): off 0.75 ms; 2 splits 0.40 ms (8: 0.41, 64: 0.51)
+      Nq=512 (128 ctas): off 0.76 ms; 2 splits 0.79 ms: never split a (nearly) full wave.
     """
     if forced is not None:
         return max(1, min(forced, nk_tiles))
-    if n_ctas >= num_sms:
+    if 2 * n_ctas > num_sms:
         return 1
-    splits = min(-(-2 * num_sms // n_ctas), nk_tiles // MIN_TILES, 256)
+    target = num_sms * (2 if block_m < 64 else 1)
+    splits = min(target // n_ctas, nk_tiles // MIN_TILES, 256)
     return splits if splits >= 2 else 1
 
 
 MIN_TILES = 4
-SPLIT_NOTE = "placeholder until the H200 sweep"

@@ -27,6 +27,65 @@ LN2 = 0.6931471805599453
 
 
 @triton.jit
+def _load_k(K, n0, stride_n, stride_d, offs_n, offs_d, D: tl.constexpr, DP: tl.constexpr):
+    # A full key tile (rows n0 .. n0+BLOCK_N-1 all in range); masks only the padded head dim.
+    ptrs = K + tl.cast(n0, tl.int64) * stride_n + (offs_n[:, None] * stride_n + offs_d[None, :] * stride_d)
+    if D == DP:
+        k = tl.load(ptrs)
+    else:
+        k = tl.load(ptrs, mask=offs_d[None, :] < D, other=0.0)
+    return k
+
+
+@triton.jit
+def _fwd_inner_pipe(m1, l1, m2, l2, acc, q1, q2, K1, K2,
+                    stride_k1n, stride_k1d, stride_k2n, stride_k2d,
+                    lo, hi, c1, c2,
+                    D1: tl.constexpr, D2: tl.constexpr, D1P: tl.constexpr, D2P: tl.constexpr,
+                    BLOCK_N: tl.constexpr, PREC: tl.constexpr, EXP16: tl.constexpr):
+    # The unmasked tiles, software-pipelined by hand: the S GEMMs of tile j+1 are issued before
+    # the exponentials of tile j, so the tensor cores run while the same warps do the softmax
+    # (the last iteration recomputes the final tile once and drops it).
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d1 = tl.arange(0, D1P)
+    offs_d2 = tl.arange(0, D2P)
+    if lo < hi:
+        k1 = _load_k(K1, lo, stride_k1n, stride_k1d, offs_n, offs_d1, D1, D1P)
+        k2 = _load_k(K2, lo, stride_k2n, stride_k2d, offs_n, offs_d2, D2, D2P)
+        s1 = tl.dot(q1, tl.trans(k1), input_precision=PREC)
+        s2 = tl.dot(q2, tl.trans(k2), input_precision=PREC)
+        for n0 in range(lo, hi, BLOCK_N):
+            nn = tl.minimum(n0 + BLOCK_N, hi - BLOCK_N)
+            k1n = _load_k(K1, nn, stride_k1n, stride_k1d, offs_n, offs_d1, D1, D1P)
+            k2n = _load_k(K2, nn, stride_k2n, stride_k2d, offs_n, offs_d2, D2, D2P)
+            s1n = tl.dot(q1, tl.trans(k1n), input_precision=PREC)
+            s2n = tl.dot(q2, tl.trans(k2n), input_precision=PREC)
+            t1 = s1 * c1
+            t2 = s2 * c2
+            m1n = tl.maximum(m1, tl.max(t1, 1))
+            m2n = tl.maximum(m2, tl.max(t2, 1))
+            p1 = tl.math.exp2(t1 - m1n[:, None])
+            if EXP16:
+                # Student weights only feed l2: two exponentials per MUFU op (ex2.approx.f16x2)
+                # take a quarter of the MUFU work off; 16-bit inputs only (docs/triton.md).
+                x2 = (t2 - m2n[:, None]).to(tl.float16)
+                p2 = tl.inline_asm_elementwise("ex2.approx.f16x2 $0, $1;", "=r,r", [x2],
+                                               dtype=tl.float16, is_pure=True, pack=2).to(tl.float32)
+            else:
+                p2 = tl.math.exp2(t2 - m2n[:, None])
+            a1 = tl.math.exp2(m1 - m1n)
+            a2 = tl.math.exp2(m2 - m2n)
+            l1 = l1 * a1 + tl.sum(p1, 1)
+            l2 = l2 * a2 + tl.sum(p2, 1)
+            acc = acc * a1 + tl.sum(p1 * (t1 - t2), 1)
+            m1 = m1n
+            m2 = m2n
+            s1 = s1n
+            s2 = s2n
+    return m1, l1, m2, l2, acc
+
+
+@triton.jit
 def _fwd_inner(m1, l1, m2, l2, acc, q1, q2,
                K1, K2,  # tile-origin pointers of this (batch, key head, sequence)
                stride_k1n, stride_k1d, stride_k2n, stride_k2d,
@@ -100,7 +159,8 @@ def _fwd_kernel(
     H, NQ, NK, G1, G2, c1, c2, split_len, n_splits,
     D1: tl.constexpr, D2: tl.constexpr, D1P: tl.constexpr, D2P: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-    VARLEN: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr,
+    VARLEN: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr, PIPE: tl.constexpr,
+    EXP16: tl.constexpr,
 ):
     # grid: (cdiv(Nq, BLOCK_M) [* n_splits when SPLIT], H, B or num_seqs)
     pid0 = tl.program_id(0)
@@ -163,9 +223,13 @@ def _fwd_kernel(
     l1 = tl.zeros([BLOCK_M], tl.float32)
     l2 = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M], tl.float32)
-    m1, l1, m2, l2, acc = _fwd_inner(m1, l1, m2, l2, acc, q1, q2, K1, K2, sk1n, sk1d, sk2n, sk2d,
-                                     lo, mid, offs_m, k_len, diag, c1, c2, D1, D2, D1P, D2P,
-                                     BLOCK_N, False, CAUSAL, PREC)
+    if PIPE:
+        m1, l1, m2, l2, acc = _fwd_inner_pipe(m1, l1, m2, l2, acc, q1, q2, K1, K2, sk1n, sk1d, sk2n, sk2d,
+                                              lo, mid, c1, c2, D1, D2, D1P, D2P, BLOCK_N, PREC, EXP16)
+    else:
+        m1, l1, m2, l2, acc = _fwd_inner(m1, l1, m2, l2, acc, q1, q2, K1, K2, sk1n, sk1d, sk2n, sk2d,
+                                         lo, mid, offs_m, k_len, diag, c1, c2, D1, D2, D1P, D2P,
+                                         BLOCK_N, False, CAUSAL, PREC)
     m1, l1, m2, l2, acc = _fwd_inner(m1, l1, m2, l2, acc, q1, q2, K1, K2, sk1n, sk1d, sk2n, sk2d,
                                      mid, hi, offs_m, k_len, diag, c1, c2, D1, D2, D1P, D2P,
                                      BLOCK_N, True, CAUSAL, PREC)

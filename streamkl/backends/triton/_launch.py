@@ -64,13 +64,14 @@ def forward(q1, k1, q2, k2, *, causal, scale1, scale2, cu_seqlens, max_seqlen):
     nk_tiles = triton.cdiv(max(nk, 1), cfg.block_n)
     splits = 1
     if not varlen:
-        splits = _config.split_count(zdim * H * m_tiles, nk_tiles, _num_sms(dev), _env.triton_split_k())
+        splits = _config.split_count(zdim * H * m_tiles, nk_tiles, _num_sms(dev), _env.triton_split_k(),
+                                        cfg.block_m)
     cu = cu_seqlens if varlen else kl  # placeholder pointer when not varlen (never read)
     c1 = float(scale1) * LOG2E
     c2 = float(scale2) * LOG2E
     common = dict(D1=D1, D2=D2, D1P=D1P, D2P=D2P, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                   CAUSAL=bool(causal), VARLEN=varlen, PREC=_prec(q1.dtype),
-                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                  PIPE=bool(cfg.pipe), EXP16=bool(cfg.exp16), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if splits == 1:
         _fwd_kernel[(m_tiles, H, zdim)](
             q1, k1, q2, k2, kl, lse1, lse2, kl, cu, *_strides(q1, k1, q2, k2),
