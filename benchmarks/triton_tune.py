@@ -175,9 +175,9 @@ def part_fwd(args, gemm):
 
 def part_split(args, gemm):
     b, h, d = 1, 32, 128
-    splits = ["off", "auto", 2, 4, 8, 16, 32, 64]
+    splits = [x if x in ("off", "auto") else int(x) for x in args.splits]
     chk = lambda nq: dict(kind="fwd", causal=False, nq=nq, nk=3000)  # noqa: E731
-    prewarm([(dict(split=sp), chk(nq)) for nq in args.split_nqs for sp in ("off", 8)], args.workers)
+    prewarm([(dict(split=sp), chk(nq)) for nq in args.split_nqs for sp in ("off", "auto")], args.workers)
     for nk in args.split_nks:
         for nq in args.split_nqs:
             q1, k1, q2, k2 = make_inputs(b=b, h=h, nq=nq, nk=nk, d1=d, d2=d, dtype=torch.bfloat16, device="cuda", seed=nq)
@@ -248,6 +248,7 @@ def main():
     p.add_argument("--split-nks", type=int, nargs="+", default=[32768])
     p.add_argument("--fwd-cfgs", type=json.loads, default=[[128, 64, 8, 3], [128, 64, 8, 2], [128, 128, 8, 2], [128, 32, 8, 3], [64, 64, 4, 2]])
     p.add_argument("--bwd-cfgs", type=json.loads, default=[[[128, 64, 8, 2], [32, 128, 8, 2]], [[64, 32, 4, 2], [64, 64, 8, 2]], [[64, 64, 8, 2], [32, 64, 4, 2]]])
+    p.add_argument("--splits", nargs="+", default=["off", "auto", "2", "4", "8", "16", "32", "64"])
     p.add_argument("--strategies", nargs="+", default=["separate", "fused"])
     p.add_argument("--workers", type=int, default=min(12, os.cpu_count() or 1))
     p.add_argument("--commit", default=os.environ.get("COMMIT", "unknown"))

@@ -230,6 +230,16 @@ def test_split_rule():
     assert _config.split_count(4096, 512, 132, 6) == 6
 
 
+def test_bwd_rule():
+    from streamkl.backends.triton import _launch
+
+    ck = _config.Cfg(64, 128, 8, 2)
+    one = (False, False, True, True)
+    assert _launch.choose_bwd(1, 32, 1024, 1024, 1, 1, one, ck, 132, False) == "fused"  # 256 programs
+    assert _launch.choose_bwd(1, 32, 4096, 4096, 1, 1, one, ck, 132, False) == "separate"
+    assert _launch.choose_bwd(1, 32, 1024, 1024, 1, 1, (True,) * 4, ck, 132, False) == "separate"
+
+
 # ----------------------------------------------------------------------------------------------
 # GPU grid: real tile sizes, 16-bit inputs, compiled kernels.
 

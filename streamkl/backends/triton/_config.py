@@ -39,32 +39,57 @@ def _next_pow2(n: int) -> int:
     return p
 
 
-# Forward: (max(D1P, D2P) bucket, is fp32) -> Cfg. Filled from the H200 sweep of
-# benchmarks/triton_tune.py (see docs/triton.md); BLOCK_M shrinks for small Nq at launch time.
+# Forward: (max(D1P, D2P) bucket, is fp32, causal) -> Cfg. BLOCK_M shrinks for small Nq at launch.
+# The D <= 128 16-bit rows were picked on the H200 (B=1, H=32, D=128, bf16, N=8K/16K, 2026-11-29;
+# docs/triton.md): non-causal (128, 64, 8 warps, 3 stages) 362-368 TFLOP/s ahead of (128, 128, 8, 2)
+# 349-361; causal (128, 128, 8, 2) 333-362 ahead of (128, 64, 8, 3) 316-339. The hand-pipelined
+# loop (pipe=True) measured 10% slower, the f16x2 student exponentials (exp16) 13% slower.
+# The other rows are sized to compile without register spills and pass the GPU tests.
 _FWD = {
-    (64, False): Cfg(128, 64, 4, 3),
-    (128, False): Cfg(128, 64, 8, 3),
-    (256, False): Cfg(64, 32, 4, 2),
-    (64, True): Cfg(64, 32, 4, 2),
-    (128, True): Cfg(64, 32, 4, 2),
-    (256, True): Cfg(32, 32, 4, 1),
+    (64, False, False): Cfg(128, 64, 4, 3),
+    (64, False, True): Cfg(128, 64, 4, 3),
+    (128, False, False): Cfg(128, 64, 8, 3),
+    (128, False, True): Cfg(128, 128, 8, 2),
+    (256, False, False): Cfg(64, 32, 4, 2),
+    (256, False, True): Cfg(64, 32, 4, 2),
+    (64, True, False): Cfg(64, 32, 4, 2),
+    (64, True, True): Cfg(64, 32, 4, 2),
+    (128, True, False): Cfg(64, 32, 4, 2),
+    (128, True, True): Cfg(64, 32, 4, 2),
+    (256, True, False): Cfg(32, 32, 4, 1),
+    (256, True, True): Cfg(32, 32, 4, 1),
 }
-# Backward query-major (dq) and key-major (dk / fused) kernels.
+# Backward, query-major (dq) and key-major (dk / fused): (bucket, is fp32, both settings) -> Cfg.
+# D <= 128 16-bit, one setting: dq (128, 64, 8, 3) + dk (64, 128, 8, 2) measured best on the H200
+# (257 / 263 TFLOP/s non-causal / causal at N=16K, vs 234 / 231 for dq (128, 64, 8, 2) + dk
+# (32, 128, 8, 2)); both settings keep the smaller dk tile (32, 128), which does not spill there.
 _BWD_Q = {
-    (64, False): Cfg(128, 64, 8, 2),
-    (128, False): Cfg(128, 64, 8, 2),
-    (256, False): Cfg(64, 32, 4, 1),
-    (64, True): Cfg(64, 32, 4, 1),
-    (128, True): Cfg(64, 32, 4, 1),
-    (256, True): Cfg(32, 16, 4, 1),
+    (64, False, False): Cfg(128, 64, 8, 2),
+    (64, False, True): Cfg(128, 64, 8, 2),
+    (128, False, False): Cfg(128, 64, 8, 3),
+    (128, False, True): Cfg(128, 64, 8, 2),
+    (256, False, False): Cfg(64, 32, 4, 1),
+    (256, False, True): Cfg(64, 32, 4, 1),
+    (64, True, False): Cfg(64, 32, 4, 1),
+    (64, True, True): Cfg(64, 32, 4, 1),
+    (128, True, False): Cfg(64, 32, 4, 1),
+    (128, True, True): Cfg(64, 32, 4, 1),
+    (256, True, False): Cfg(32, 16, 4, 1),
+    (256, True, True): Cfg(32, 16, 4, 1),
 }
 _BWD_K = {
-    (64, False): Cfg(64, 128, 8, 2),
-    (128, False): Cfg(64, 128, 8, 2),
-    (256, False): Cfg(32, 64, 4, 1),
-    (64, True): Cfg(32, 64, 4, 1),
-    (128, True): Cfg(32, 64, 4, 1),
-    (256, True): Cfg(16, 32, 4, 1),
+    (64, False, False): Cfg(64, 128, 8, 2),
+    (64, False, True): Cfg(32, 128, 8, 2),
+    (128, False, False): Cfg(64, 128, 8, 2),
+    (128, False, True): Cfg(32, 128, 8, 2),
+    (256, False, False): Cfg(32, 64, 4, 1),
+    (256, False, True): Cfg(32, 64, 4, 1),
+    (64, True, False): Cfg(32, 64, 4, 1),
+    (64, True, True): Cfg(32, 64, 4, 1),
+    (128, True, False): Cfg(32, 64, 4, 1),
+    (128, True, True): Cfg(32, 64, 4, 1),
+    (256, True, False): Cfg(16, 32, 4, 1),
+    (256, True, True): Cfg(16, 32, 4, 1),
 }
 
 # Overrides set by benchmarks/triton_tune.py while it sweeps; None in normal use.
@@ -84,18 +109,21 @@ def fwd_cfg(d1p: int, d2p: int, dtype: torch.dtype, causal: bool, nq: int, inter
     elif interpret:
         cfg = INTERPRET_CFG
     else:
-        cfg = _FWD[_key(d1p, d2p, dtype)]
+        cfg = _FWD[(*_key(d1p, d2p, dtype), bool(causal))]
     # Decode-sized Nq: a BLOCK_M no larger than Nq (at least 16, tl.dot's minimum).
     bm = max(16, min(cfg.block_m, _next_pow2(nq)))
     return Cfg(bm, cfg.block_n, cfg.num_warps if bm >= 64 else 4, cfg.num_stages, cfg.pipe,
                cfg.exp16 and dtype != torch.float32)
 
 
-def bwd_cfgs(d1p: int, d2p: int, dtype: torch.dtype, causal: bool, interpret: bool) -> tuple[Cfg, Cfg]:
+def bwd_cfgs(d1p: int, d2p: int, dtype: torch.dtype, causal: bool, interpret: bool,
+             both: bool = False) -> tuple[Cfg, Cfg]:
+    """(dq kernel, key-major kernel) configs; `both`: gradients of both settings requested."""
     if interpret:
         q, k = INTERPRET_CFG, INTERPRET_CFG
     else:
-        q, k = _BWD_Q[_key(d1p, d2p, dtype)], _BWD_K[_key(d1p, d2p, dtype)]
+        key = (*_key(d1p, d2p, dtype), bool(both))
+        q, k = _BWD_Q[key], _BWD_K[key]
     return OVERRIDE["bwd_q"] or q, OVERRIDE["bwd_k"] or k
 
 

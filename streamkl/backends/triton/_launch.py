@@ -116,7 +116,8 @@ def backward(grad_kl, q1, k1, q2, k2, kl, lse1, lse2, *, causal, scale1, scale2,
     varlen = cu_seqlens is not None
     cu = cu_seqlens if varlen else kl
     nk = rows if varlen else NK
-    cq, ck = _config.bwd_cfgs(D1P, D2P, q1.dtype, causal, interpret)
+    both = (need_dq1 or need_dk1) and (need_dq2 or need_dk2)
+    cq, ck = _config.bwd_cfgs(D1P, D2P, q1.dtype, causal, interpret, both)
     c1 = float(scale1) * LOG2E
     c2 = float(scale2) * LOG2E
     prec = _prec(q1.dtype)
@@ -173,12 +174,23 @@ def backward(grad_kl, q1, k1, q2, k2, kl, lse1, lse2, *, causal, scale1, scale2,
 
 
 def choose_bwd(B, H, rows, nk, g1, g2, needs, ck, num_sms, causal) -> str:
-    """STREAMKL_TRITON_BWD=auto. Fused when the key-major grid alone leaves SMs idle
-    (few key tiles x key groups x batch), where the separate dq kernel's second pass over the
-    pairs costs more than the atomics; separate otherwise. Measured on the H200: FUSED_NOTE."""
+    """STREAMKL_TRITON_BWD=auto: fused when at most one dq is requested and the key-major grid is
+    at most two waves (B * H/g * cdiv(Nk, BLOCK_N) <= 2 * SMs); separate otherwise.
+
+    Measured on the H200 (B=1, H=32, D=128, bf16, setting 1, dq (128,64,8,3) + dk (64,128,8,2),
+    2026-11-29; docs/triton.md), separate vs fused:
+      N=256   (64 key programs):   0.132 vs 0.061 ms full, 0.201 vs 0.068 causal -> fused
+      N=1024  (256 programs):      0.169 vs 0.178 ms full, 0.221 vs 0.158 causal -> fused
+      N=4096  (1024 programs):     2.23 vs 2.36 ms full, 1.30 vs 1.35 causal     -> separate
+      N=16384 (4096 programs):     34.2 vs 37.1 ms full, 16.7 vs 17.3 causal     -> separate
+    With both dq1 and dq2 the fused kernel's two atomic streams cost more than the second pass:
+    0.25 vs 0.37 ms at N=1024 and 51 vs 77 ms at N=16K (first sweep), so separate always.
+    """
+    if needs[0] and needs[2]:
+        return "separate"
     g = min(g1, g2)
     kv_programs = B * (H // g) * math.ceil(nk / ck.block_n)
-    return "fused" if kv_programs < FUSED_BELOW * num_sms else "separate"
+    return "fused" if kv_programs <= FUSED_MAX_WAVES * num_sms else "separate"
 
 
-FUSED_BELOW = 1  # placeholder until the H200 sweep
+FUSED_MAX_WAVES = 2
