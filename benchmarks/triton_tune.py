@@ -103,25 +103,42 @@ def set_env(split=None, bwd=None):
 
 def run_fwd(q1, k1, q2, k2, causal):
     s1, s2 = 1 / math.sqrt(q1.shape[-1]), 1 / math.sqrt(q2.shape[-1])
-    return _launch.forward(q1, k1, q2, k2, causal=causal, scale1=s1, scale2=s2,
-                           cu_seqlens=None, max_seqlen=None)
+    return _launch.forward(
+        q1, k1, q2, k2, causal=causal, scale1=s1, scale2=s2, cu_seqlens=None, max_seqlen=None
+    )
 
 
 def run_bwd(g, q1, k1, q2, k2, out, causal, needs):
     s1, s2 = 1 / math.sqrt(q1.shape[-1]), 1 / math.sqrt(q2.shape[-1])
-    return _launch.backward(g, q1, k1, q2, k2, *out, causal=causal, scale1=s1, scale2=s2,
-                            cu_seqlens=None, max_seqlen=None, needs=needs)
+    return _launch.backward(
+        g,
+        q1,
+        k1,
+        q2,
+        k2,
+        *out,
+        causal=causal,
+        scale1=s1,
+        scale2=s2,
+        cu_seqlens=None,
+        max_seqlen=None,
+        needs=needs,
+    )
 
 
-NEEDS = {"bwd1": (False, False, True, True), "bwd2": (True, True, False, False),
-         "bwd12": (True, True, True, True)}
+NEEDS = {
+    "bwd1": (False, False, True, True),
+    "bwd2": (True, True, False, False),
+    "bwd12": (True, True, True, True),
+}
 
 
 def check(kind, causal, nq, nk, dtype=torch.bfloat16, d=128, h=4, seed=None):
     """Max error / budget ratio (<= 1 passes) of the current variant on fresh data."""
     seed = int(time.time_ns() % 2**31) if seed is None else seed
-    q1, k1, q2, k2 = make_inputs(b=1, h=h, nq=nq, nk=nk, d1=d, d2=d, hk1=h // 2, hk2=h // 4 or 1,
-                                 dtype=dtype, device="cuda", seed=seed)
+    q1, k1, q2, k2 = make_inputs(
+        b=1, h=h, nq=nq, nk=nk, d1=d, d2=d, hk1=h // 2, hk2=h // 4 or 1, dtype=dtype, device="cuda", seed=seed
+    )
     kl, l1, l2 = run_fwd(q1, k1, q2, k2, causal)
     ref_in = [t.detach().double().requires_grad_() for t in (q1, k1, q2, k2)]
     rkl, rl1, rl2 = dense_attn_kl(*ref_in, causal=causal, return_lse=True)
@@ -148,8 +165,10 @@ def check(kind, causal, nq, nk, dtype=torch.bfloat16, d=128, h=4, seed=None):
 def record(**row):
     ROWS.append(row)
     extra = f" err/budget={row['check']:.3f}" if row.get("check") is not None else ""
-    log(f"{row['part']:6s} {row['variant']:34s} {row['shape']:28s} {row['ms']:9.4f} ms "
-        f"{row.get('tflops', 0):7.1f} TF/s{extra}")
+    log(
+        f"{row['part']:6s} {row['variant']:34s} {row['shape']:28s} {row['ms']:9.4f} ms "
+        f"{row.get('tflops', 0):7.1f} TF/s{extra}"
+    )
 
 
 def part_fwd(args, gemm):
@@ -163,11 +182,23 @@ def part_fwd(args, gemm):
         try:
             err = check(**chk(causal))
             for n in args.ns:
-                q1, k1, q2, k2 = make_inputs(b=b, h=h, nq=n, nk=n, d1=d, d2=d, dtype=torch.bfloat16, device="cuda", seed=n)
-                ms = bench(lambda: run_fwd(q1, k1, q2, k2, causal))
+                q1, k1, q2, k2 = make_inputs(
+                    b=b, h=h, nq=n, nk=n, d1=d, d2=d, dtype=torch.bfloat16, device="cuda", seed=n
+                )
+                ms = bench(lambda: run_fwd(q1, k1, q2, k2, causal))  # noqa: B023 - timed at once
                 tf = flops("fwd", b, h, n, n, d, causal) / ms / 1e9
-                record(part="fwd", variant=f"fwd {'causal' if causal else 'full'} {name}", shape=f"B{b} H{h} N{n} D{d}",
-                       ms=ms, tflops=tf, frac_gemm=tf / gemm, check=err, causal=causal, n=n, cfg=cfg)
+                record(
+                    part="fwd",
+                    variant=f"fwd {'causal' if causal else 'full'} {name}",
+                    shape=f"B{b} H{h} N{n} D{d}",
+                    ms=ms,
+                    tflops=tf,
+                    frac_gemm=tf / gemm,
+                    check=err,
+                    causal=causal,
+                    n=n,
+                    cfg=cfg,
+                )
         except Exception as e:  # noqa: BLE001 - a config that fails to compile is a result
             log(f"fwd {cfg} causal={causal} FAILED: {type(e).__name__}: {str(e)[:200]}")
     apply_variant()
@@ -180,19 +211,36 @@ def part_split(args, gemm):
     prewarm([(dict(split=sp), chk(nq)) for nq in args.split_nqs for sp in ("off", "auto")], args.workers)
     for nk in args.split_nks:
         for nq in args.split_nqs:
-            q1, k1, q2, k2 = make_inputs(b=b, h=h, nq=nq, nk=nk, d1=d, d2=d, dtype=torch.bfloat16, device="cuda", seed=nq)
+            q1, k1, q2, k2 = make_inputs(
+                b=b, h=h, nq=nq, nk=nk, d1=d, d2=d, dtype=torch.bfloat16, device="cuda", seed=nq
+            )
             for split in splits:
                 apply_variant(split=split)
                 try:
                     err = check(**chk(nq)) if split in ("off", "auto", 8) else None
-                    ms = bench(lambda: run_fwd(q1, k1, q2, k2, False), 100)
+                    ms = bench(lambda: run_fwd(q1, k1, q2, k2, False), 100)  # noqa: B023
                     tf = flops("fwd", b, h, nq, nk, d, False) / ms / 1e9
                     cfg = _config.fwd_cfg(128, 128, torch.bfloat16, False, nq, False)
-                    chosen = _config.split_count(b * h * triton.cdiv(nq, cfg.block_m), triton.cdiv(nk, cfg.block_n), 132, None,
-                                                 cfg.block_m)
-                    record(part="split", variant=f"split={split}" + (f"(->{chosen})" if split == "auto" else ""),
-                           shape=f"B{b} H{h} Nq{nq} Nk{nk} D{d}", ms=ms, tflops=tf, frac_gemm=tf / gemm, check=err,
-                           nq=nq, nk=nk, split=str(split), auto_choice=chosen)
+                    chosen = _config.split_count(
+                        b * h * triton.cdiv(nq, cfg.block_m),
+                        triton.cdiv(nk, cfg.block_n),
+                        132,
+                        None,
+                        cfg.block_m,
+                    )
+                    record(
+                        part="split",
+                        variant=f"split={split}" + (f"(->{chosen})" if split == "auto" else ""),
+                        shape=f"B{b} H{h} Nq{nq} Nk{nk} D{d}",
+                        ms=ms,
+                        tflops=tf,
+                        frac_gemm=tf / gemm,
+                        check=err,
+                        nq=nq,
+                        nk=nk,
+                        split=str(split),
+                        auto_choice=chosen,
+                    )
                 except Exception as e:  # noqa: BLE001
                     log(f"split {split} nq={nq} FAILED: {type(e).__name__}: {str(e)[:200]}")
     apply_variant()
@@ -200,20 +248,29 @@ def part_split(args, gemm):
 
 def part_bwd(args, gemm):
     b, h, d = 1, 32, 128
-    plan = [(kind, causal, strategy, bq, bk) for kind in args.bwd_kinds for causal in (False, True)
-            for strategy in args.strategies for bq, bk in args.bwd_cfgs]
+    plan = [
+        (kind, causal, strategy, bq, bk)
+        for kind in args.bwd_kinds
+        for causal in (False, True)
+        for strategy in args.strategies
+        for bq, bk in args.bwd_cfgs
+    ]
     chk = lambda kind, causal: dict(kind=kind, causal=causal, nq=700, nk=700 if causal else 777)  # noqa: E731
-    prewarm([(dict(bq=bq, bk=bk, bwd=st, split="off"), chk(kind, causal)) for kind, causal, st, bq, bk in plan],
-            args.workers)
+    prewarm(
+        [(dict(bq=bq, bk=bk, bwd=st, split="off"), chk(kind, causal)) for kind, causal, st, bq, bk in plan],
+        args.workers,
+    )
     for kind, causal, strategy, bq, bk in plan:
         apply_variant(bq=bq, bk=bk, bwd=strategy, split="off")
         try:
             err = check(**chk(kind, causal))
             for n in args.bwd_ns:
-                q1, k1, q2, k2 = make_inputs(b=b, h=h, nq=n, nk=n, d1=d, d2=d, dtype=torch.bfloat16, device="cuda", seed=n)
+                q1, k1, q2, k2 = make_inputs(
+                    b=b, h=h, nq=n, nk=n, d1=d, d2=d, dtype=torch.bfloat16, device="cuda", seed=n
+                )
                 out = run_fwd(q1, k1, q2, k2, causal)
                 g = torch.randn_like(out[0])
-                ms = bench(lambda: run_bwd(g, q1, k1, q2, k2, out, causal, NEEDS[kind]))
+                ms = bench(lambda: run_bwd(g, q1, k1, q2, k2, out, causal, NEEDS[kind]))  # noqa: B023
                 tf = flops(kind, b, h, n, n, d, causal) / ms / 1e9
                 # Peak device memory beyond inputs, forward outputs and the gradients themselves.
                 torch.cuda.synchronize()
@@ -224,9 +281,22 @@ def part_bwd(args, gemm):
                 own = sum(t.numel() * t.element_size() for t in grads if t is not None)
                 extra_mb = (torch.cuda.max_memory_allocated() - base - own) / 2**20
                 del grads
-                record(part=kind, variant=f"{strategy[:3]} {'causal' if causal else 'full'} " + ("default" if bq is None else f"q{tuple(bq)} k{tuple(bk)}"),
-                       shape=f"B{b} H{h} N{n} D{d}", ms=ms, tflops=tf, frac_gemm=tf / gemm, check=err,
-                       causal=causal, n=n, strategy=strategy, cfg_q=bq, cfg_k=bk, extra_mem_mb=extra_mb)
+                record(
+                    part=kind,
+                    variant=f"{strategy[:3]} {'causal' if causal else 'full'} "
+                    + ("default" if bq is None else f"q{tuple(bq)} k{tuple(bk)}"),
+                    shape=f"B{b} H{h} N{n} D{d}",
+                    ms=ms,
+                    tflops=tf,
+                    frac_gemm=tf / gemm,
+                    check=err,
+                    causal=causal,
+                    n=n,
+                    strategy=strategy,
+                    cfg_q=bq,
+                    cfg_k=bk,
+                    extra_mem_mb=extra_mb,
+                )
         except Exception as e:  # noqa: BLE001
             log(f"{kind} {strategy} {bq} {bk} causal={causal} FAILED: {type(e).__name__}: {str(e)[:300]}")
     apply_variant()
@@ -246,8 +316,20 @@ def main():
     p.add_argument("--bwd-kinds", nargs="+", default=["bwd1", "bwd12"])
     p.add_argument("--split-nqs", type=int, nargs="+", default=[1, 16, 64, 128, 256, 512])
     p.add_argument("--split-nks", type=int, nargs="+", default=[32768])
-    p.add_argument("--fwd-cfgs", type=json.loads, default=[[128, 64, 8, 3], [128, 64, 8, 2], [128, 128, 8, 2], [128, 32, 8, 3], [64, 64, 4, 2]])
-    p.add_argument("--bwd-cfgs", type=json.loads, default=[[[128, 64, 8, 2], [32, 128, 8, 2]], [[64, 32, 4, 2], [64, 64, 8, 2]], [[64, 64, 8, 2], [32, 64, 4, 2]]])
+    p.add_argument(
+        "--fwd-cfgs",
+        type=json.loads,
+        default=[[128, 64, 8, 3], [128, 64, 8, 2], [128, 128, 8, 2], [128, 32, 8, 3], [64, 64, 4, 2]],
+    )
+    p.add_argument(
+        "--bwd-cfgs",
+        type=json.loads,
+        default=[
+            [[128, 64, 8, 2], [32, 128, 8, 2]],
+            [[64, 32, 4, 2], [64, 64, 8, 2]],
+            [[64, 64, 8, 2], [32, 64, 4, 2]],
+        ],
+    )
     p.add_argument("--splits", nargs="+", default=["off", "auto", "2", "4", "8", "16", "32", "64"])
     p.add_argument("--strategies", nargs="+", default=["separate", "fused"])
     p.add_argument("--workers", type=int, default=min(12, os.cpu_count() or 1))
@@ -257,10 +339,16 @@ def main():
     parts = args.parts.split(",")
     torch.manual_seed(0)
     props = torch.cuda.get_device_properties(0)
-    meta = dict(device=props.name, sms=props.multi_processor_count, torch=torch.__version__,
-                triton=triton.__version__, cuda=torch.version.cuda, commit=args.commit,
-                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                args=vars(args))
+    meta = dict(
+        device=props.name,
+        sms=props.multi_processor_count,
+        torch=torch.__version__,
+        triton=triton.__version__,
+        cuda=torch.version.cuda,
+        commit=args.commit,
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        args=vars(args),
+    )
     log(f"# {meta}")
     t0 = time.time()
     gemm0 = gemm_tflops()
@@ -281,7 +369,10 @@ def main():
     print("\n# summary (TFLOP/s, fraction of the start GEMM; err/budget <= 1 passes)")
     for r in ROWS:
         chk = "" if r.get("check") is None else f" {r['check']:.2f}"
-        print(f"{r['part']:5s} {r['variant'][:44]:44s} {r['shape']:24s} {r['ms']:8.3f}ms {r['tflops']:6.1f} {r['frac_gemm']:.2f}{chk}")
+        print(
+            f"{r['part']:5s} {r['variant'][:44]:44s} {r['shape']:24s} {r['ms']:8.3f}ms "
+            f"{r['tflops']:6.1f} {r['frac_gemm']:.2f}{chk}"
+        )
     print(f"gemm {gemm0:.0f} -> {gemm1:.0f} TFLOP/s; {time.time() - t0:.0f}s")
     sys.stdout.flush()
 

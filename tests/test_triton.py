@@ -52,8 +52,9 @@ def _run(q1, k1, q2, k2, *, causal=False, cu_seqlens=None, max_seqlen=None, need
     return kl, lse1, lse2, kw
 
 
-def _check(q1, k1, q2, k2, *, causal=False, cu_seqlens=None, max_seqlen=None, needs=ALL,
-           kl_tol=None, grad_tol=None):
+def _check(
+    q1, k1, q2, k2, *, causal=False, cu_seqlens=None, max_seqlen=None, needs=ALL, kl_tol=None, grad_tol=None
+):
     """Forward kl/lse and the needed grads against the oracle; returns the grads."""
     dtype = q1.dtype
     kl_tol = kl_tol or {torch.float32: 1e-4}.get(dtype, 2e-3)
@@ -71,8 +72,16 @@ def _check(q1, k1, q2, k2, *, causal=False, cu_seqlens=None, max_seqlen=None, ne
         assert torch.equal(torch.isneginf(got), empty), "rows seeing no key must have lse = -inf"
         assert ((got - ref)[~empty].abs() <= kl_tol * ref[~empty].abs().clamp_min(1)).all()
     assert (kl[torch.isinf(rl1)] == 0).all()
-    grads = tb.backward(g.float().to(q1.device), q1, k1, q2, k2, *(t.float().to(q1.device) for t in (kl, lse1, lse2)),
-                        needs=needs, **kw)
+    grads = tb.backward(
+        g.float().to(q1.device),
+        q1,
+        k1,
+        q2,
+        k2,
+        *(t.float().to(q1.device) for t in (kl, lse1, lse2)),
+        needs=needs,
+        **kw,
+    )
     for got, ref, need, inp in zip(grads, rgrads, needs, (q1, k1, q2, k2)):
         if not need:
             assert got is None
@@ -106,14 +115,28 @@ CASES = [
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
 def test_against_oracle(case, strategy):
     b, h, hk1, hk2, nq, nk, d1, d2, causal, layout = case
-    q1, k1, q2, k2 = make_inputs(b=b, h=h, hk1=hk1, hk2=hk2, nq=nq, nk=nk, d1=d1, d2=d2,
-                                 device=DEVICE, layout=layout, seed=nq * nk + d1)
+    q1, k1, q2, k2 = make_inputs(
+        b=b,
+        h=h,
+        hk1=hk1,
+        hk2=hk2,
+        nq=nq,
+        nk=nk,
+        d1=d1,
+        d2=d2,
+        device=DEVICE,
+        layout=layout,
+        seed=nq * nk + d1,
+    )
     _check(q1, k1, q2, k2, causal=causal)
 
 
 @pytest.mark.parametrize("strategy", ["separate", "fused"], indirect=True)
-@pytest.mark.parametrize("needs", [SETTING1, SETTING2, (True, False, False, True), (False, True, True, False)],
-                         ids=["setting1", "setting2", "dq1-dk2", "dk1-dq2"])
+@pytest.mark.parametrize(
+    "needs",
+    [SETTING1, SETTING2, (True, False, False, True), (False, True, True, False)],
+    ids=["setting1", "setting2", "dq1-dk2", "dk1-dq2"],
+)
 def test_only_needed_grads(needs, strategy):
     q1, k1, q2, k2 = make_inputs(b=1, h=4, hk1=2, hk2=1, nq=30, nk=35, d1=16, d2=24, device=DEVICE, seed=5)
     _check(q1, k1, q2, k2, causal=True, needs=needs)
@@ -124,28 +147,35 @@ def test_pipelined_forward(causal, monkeypatch):
     # The hand-pipelined unmasked loop (the H200 default) at interpreter tile sizes.
     monkeypatch.setitem(_config.OVERRIDE, "fwd", _config.Cfg(16, 16, 4, 1, pipe=True))
     monkeypatch.setenv("STREAMKL_TRITON_SPLIT_K", "off")
-    q1, k1, q2, k2 = make_inputs(b=2, h=4, hk1=2, hk2=1, nq=37, nk=45, d1=24, d2=16, device=DEVICE,
-                                 layout="bnhd", seed=12)
+    q1, k1, q2, k2 = make_inputs(
+        b=2, h=4, hk1=2, hk2=1, nq=37, nk=45, d1=24, d2=16, device=DEVICE, layout="bnhd", seed=12
+    )
     _check(q1, k1, q2, k2, causal=causal, needs=SETTING1)
 
 
 def test_no_grads_needed():
     q1, k1, q2, k2 = make_inputs(b=1, h=2, nq=8, nk=8, d1=16, d2=16, device=DEVICE)
     kl, lse1, lse2, kw = _run(q1, k1, q2, k2)
-    assert tb.backward(torch.ones_like(kl), q1, k1, q2, k2, kl, lse1, lse2, needs=(False,) * 4, **kw) == (None,) * 4
+    assert (
+        tb.backward(torch.ones_like(kl), q1, k1, q2, k2, kl, lse1, lse2, needs=(False,) * 4, **kw)
+        == (None,) * 4
+    )
 
 
 @pytest.mark.parametrize("strategy", ["separate", "fused"], indirect=True)
 @pytest.mark.parametrize("causal", [False, True])
 def test_varlen(causal, strategy):
     cu = torch.tensor([0, 5, 21, 22, 40], dtype=torch.int32, device=DEVICE)  # includes a 1-token sequence
-    q1, k1, q2, k2 = make_inputs(b=1, h=4, hk1=2, hk2=1, nq=40, nk=40, d1=16, d2=24, device=DEVICE,
-                                 layout="bnhd", seed=7)
+    q1, k1, q2, k2 = make_inputs(
+        b=1, h=4, hk1=2, hk2=1, nq=40, nk=40, d1=16, d2=24, device=DEVICE, layout="bnhd", seed=7
+    )
     _check(q1, k1, q2, k2, causal=causal, cu_seqlens=cu, max_seqlen=18)
 
 
-@pytest.mark.parametrize("nq,nk,causal,splits", [(1, 48, False, "3"), (5, 47, True, "4"), (20, 40, False, "2"),
-                                                   (3, 48, True, "64")])
+@pytest.mark.parametrize(
+    "nq,nk,causal,splits",
+    [(1, 48, False, "3"), (5, 47, True, "4"), (20, 40, False, "2"), (3, 48, True, "64")],
+)
 def test_split_k(nq, nk, causal, splits, monkeypatch):
     monkeypatch.setenv("STREAMKL_TRITON_SPLIT_K", splits)
     q1, k1, q2, k2 = make_inputs(b=2, h=2, hk1=1, hk2=2, nq=nq, nk=nk, d1=16, d2=32, device=DEVICE, seed=nq)
@@ -245,13 +275,13 @@ def test_bwd_rule():
 
 GPU_CASES = [
     # (b, h, hk1, hk2, nq, nk, d1, d2, causal, layout, std)
-    (2, 8, 8, 8, 1, 4096, 128, 128, False, "bhnd", 1.0),    # decode: split-K auto
+    (2, 8, 8, 8, 1, 4096, 128, 128, False, "bhnd", 1.0),  # decode: split-K auto
     (1, 8, 2, 4, 1, 3000, 64, 128, True, "bnhd", 1.0),
-    (2, 4, 4, 4, 300, 300, 128, 128, True, "bhnd", 1.0),    # row 0 sees a single key
-    (1, 8, 4, 2, 257, 1000, 64, 96, True, "bnhd", 1.0),     # Nq < Nk, D1 != D2, GQA g1 != g2
-    (1, 4, 4, 1, 1000, 200, 128, 128, True, "bhnd", 1.0),   # Nq > Nk: 800 rows see nothing
+    (2, 4, 4, 4, 300, 300, 128, 128, True, "bhnd", 1.0),  # row 0 sees a single key
+    (1, 8, 4, 2, 257, 1000, 64, 96, True, "bnhd", 1.0),  # Nq < Nk, D1 != D2, GQA g1 != g2
+    (1, 4, 4, 1, 1000, 200, 128, 128, True, "bhnd", 1.0),  # Nq > Nk: 800 rows see nothing
     (2, 4, 2, 2, 513, 777, 256, 32, False, "bnhd", 1.0),
-    (1, 4, 4, 4, 200, 300, 128, 128, True, "bhnd", 10.0),   # logits ~1e3-1e4
+    (1, 4, 4, 4, 200, 300, 128, 128, True, "bhnd", 10.0),  # logits ~1e3-1e4
 ]
 
 
@@ -262,8 +292,21 @@ GPU_CASES = [
 def test_gpu_grid(case, dtype, strategy, monkeypatch):
     monkeypatch.setenv("STREAMKL_TRITON_SPLIT_K", "auto")
     b, h, hk1, hk2, nq, nk, d1, d2, causal, layout, std = case
-    q1, k1, q2, k2 = make_inputs(b=b, h=h, hk1=hk1, hk2=hk2, nq=nq, nk=nk, d1=d1, d2=d2, dtype=dtype,
-                                 device="cuda", layout=layout, seed=nq + nk, std=std)
+    q1, k1, q2, k2 = make_inputs(
+        b=b,
+        h=h,
+        hk1=hk1,
+        hk2=hk2,
+        nq=nq,
+        nk=nk,
+        d1=d1,
+        d2=d2,
+        dtype=dtype,
+        device="cuda",
+        layout=layout,
+        seed=nq + nk,
+        std=std,
+    )
     _check(q1, k1, q2, k2, causal=causal)
 
 
@@ -271,6 +314,18 @@ def test_gpu_grid(case, dtype, strategy, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_gpu_varlen(dtype):
     cu = torch.tensor([0, 1, 300, 1024, 1500], dtype=torch.int32, device="cuda")
-    q1, k1, q2, k2 = make_inputs(b=1, h=8, hk1=2, hk2=4, nq=1500, nk=1500, d1=128, d2=64, dtype=dtype,
-                                 device="cuda", layout="bnhd", seed=11)
+    q1, k1, q2, k2 = make_inputs(
+        b=1,
+        h=8,
+        hk1=2,
+        hk2=4,
+        nq=1500,
+        nk=1500,
+        d1=128,
+        d2=64,
+        dtype=dtype,
+        device="cuda",
+        layout="bnhd",
+        seed=11,
+    )
     _check(q1, k1, q2, k2, causal=True, cu_seqlens=cu, max_seqlen=724)

@@ -25,7 +25,10 @@ def supports(q1, k1, q2, k2, cu_seqlens) -> str | None:
     if any(t.dtype not in (torch.float16, torch.bfloat16, torch.float32) for t in tensors):
         return f"triton backend runs float16/bfloat16/float32, got {q1.dtype}/{q2.dtype}"
     if q1.shape[-1] > MAX_HEAD_DIM or q2.shape[-1] > MAX_HEAD_DIM:
-        return f"triton backend supports head dims up to {MAX_HEAD_DIM}, got D1={q1.shape[-1]}, D2={q2.shape[-1]}"
+        return (
+            f"triton backend supports head dims up to {MAX_HEAD_DIM}, "
+            f"got D1={q1.shape[-1]}, D2={q2.shape[-1]}"
+        )
     device = q1.device
     if device.type == "cuda":
         major, _ = torch.cuda.get_device_capability(device)
@@ -34,7 +37,10 @@ def supports(q1, k1, q2, k2, cu_seqlens) -> str | None:
         if major < 7:
             return "triton backend needs a GPU of compute capability 7.0 or newer"
     elif not _env.triton_interpret():
-        return f"triton backend runs CUDA tensors (got {device.type}; TRITON_INTERPRET=1 allows CPU tensors for tests)"
+        return (
+            f"triton backend runs CUDA tensors (got {device.type}; "
+            "TRITON_INTERPRET=1 allows CPU tensors for tests)"
+        )
     if cu_seqlens is not None and cu_seqlens.device != device:
         return "cu_seqlens must be on the inputs' device"
     return None
@@ -44,15 +50,38 @@ def forward(q1, k1, q2, k2, *, causal, scale1, scale2, cu_seqlens, max_seqlen):
     """(kl, lse1, lse2), each (B, H, Nq) float32 contiguous. Rows that see no key: 0, -inf, -inf."""
     from . import _launch
 
-    return _launch.forward(q1, k1, q2, k2, causal=causal, scale1=scale1, scale2=scale2,
-                           cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+    return _launch.forward(
+        q1,
+        k1,
+        q2,
+        k2,
+        causal=causal,
+        scale1=scale1,
+        scale2=scale2,
+        cu_seqlens=cu_seqlens,
+        max_seqlen=max_seqlen,
+    )
 
 
-def backward(grad_kl, q1, k1, q2, k2, kl, lse1, lse2, *, causal, scale1, scale2, cu_seqlens,
-             max_seqlen, needs):
+def backward(
+    grad_kl, q1, k1, q2, k2, kl, lse1, lse2, *, causal, scale1, scale2, cu_seqlens, max_seqlen, needs
+):
     """(dq1, dk1, dq2, dk2); None where `needs` is False."""
     from . import _launch
 
-    return _launch.backward(grad_kl, q1, k1, q2, k2, kl, lse1, lse2, causal=causal,
-                            scale1=scale1, scale2=scale2, cu_seqlens=cu_seqlens,
-                            max_seqlen=max_seqlen, needs=needs)
+    return _launch.backward(
+        grad_kl,
+        q1,
+        k1,
+        q2,
+        k2,
+        kl,
+        lse1,
+        lse2,
+        causal=causal,
+        scale1=scale1,
+        scale2=scale2,
+        cu_seqlens=cu_seqlens,
+        max_seqlen=max_seqlen,
+        needs=needs,
+    )

@@ -41,18 +41,53 @@ def _row_state(LSE1, LSE2, KLp, G, row, mmask):
 
 
 @triton.jit
-def _bwd_dq_inner(dq1, dq2, q1, q2, L1, L2, c, g, K1, K2,
-                  stride_k1n, stride_k1d, stride_k2n, stride_k2d,
-                  lo, hi, offs_m, k_len, diag, c1, c2,
-                  D1: tl.constexpr, D2: tl.constexpr, D1P: tl.constexpr, D2P: tl.constexpr,
-                  BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-                  DQ1: tl.constexpr, DQ2: tl.constexpr, PREC: tl.constexpr):
+def _bwd_dq_inner(
+    dq1,
+    dq2,
+    q1,
+    q2,
+    L1,
+    L2,
+    c,
+    g,
+    K1,
+    K2,
+    stride_k1n,
+    stride_k1d,
+    stride_k2n,
+    stride_k2d,
+    lo,
+    hi,
+    offs_m,
+    k_len,
+    diag,
+    c1,
+    c2,
+    D1: tl.constexpr,
+    D2: tl.constexpr,
+    D1P: tl.constexpr,
+    D2P: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    DQ1: tl.constexpr,
+    DQ2: tl.constexpr,
+    PREC: tl.constexpr,
+):
     offs_n = tl.arange(0, BLOCK_N)
     offs_d1 = tl.arange(0, D1P)
     offs_d2 = tl.arange(0, D2P)
     for n0 in range(lo, hi, BLOCK_N):
-        k1_ptrs = K1 + tl.cast(n0, tl.int64) * stride_k1n + (offs_n[:, None] * stride_k1n + offs_d1[None, :] * stride_k1d)
-        k2_ptrs = K2 + tl.cast(n0, tl.int64) * stride_k2n + (offs_n[:, None] * stride_k2n + offs_d2[None, :] * stride_k2d)
+        k1_ptrs = (
+            K1
+            + tl.cast(n0, tl.int64) * stride_k1n
+            + (offs_n[:, None] * stride_k1n + offs_d1[None, :] * stride_k1d)
+        )
+        k2_ptrs = (
+            K2
+            + tl.cast(n0, tl.int64) * stride_k2n
+            + (offs_n[:, None] * stride_k2n + offs_d2[None, :] * stride_k2d)
+        )
         if MASKED:
             nmask = (n0 + offs_n) < k_len
             k1 = tl.load(k1_ptrs, mask=nmask[:, None] & (offs_d1[None, :] < D1), other=0.0)
@@ -90,16 +125,53 @@ def _bwd_dq_inner(dq1, dq2, q1, q2, L1, L2, c, g, K1, K2,
 
 @triton.jit(do_not_specialize=["H", "NQ", "NK", "G1", "G2"])
 def _bwd_dq_kernel(
-    Q1, K1, Q2, K2,          # [B, H, Nq, D1], [B, Hk1, Nk, D1], [B, H, Nq, D2], [B, Hk2, Nk, D2]
-    G, KLp, LSE1, LSE2,      # [B, H, Nq] float32, contiguous
-    DQ1, DQ2,                # [B, H, Nq, D1], [B, H, Nq, D2] contiguous, input dtype
-    CU,                      # [num_seqs + 1] int32 when VARLEN
-    sq1b, sq1h, sq1n, sq1d, sk1b, sk1h, sk1n, sk1d,
-    sq2b, sq2h, sq2n, sq2d, sk2b, sk2h, sk2n, sk2d,
-    H, NQ, NK, G1, G2, c1, c2, scale1, scale2,
-    D1: tl.constexpr, D2: tl.constexpr, D1P: tl.constexpr, D2P: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, VARLEN: tl.constexpr,
-    DQ1_ON: tl.constexpr, DQ2_ON: tl.constexpr, PREC: tl.constexpr,
+    Q1,
+    K1,
+    Q2,
+    K2,  # [B, H, Nq, D1], [B, Hk1, Nk, D1], [B, H, Nq, D2], [B, Hk2, Nk, D2]
+    G,
+    KLp,
+    LSE1,
+    LSE2,  # [B, H, Nq] float32, contiguous
+    DQ1,
+    DQ2,  # [B, H, Nq, D1], [B, H, Nq, D2] contiguous, input dtype
+    CU,  # [num_seqs + 1] int32 when VARLEN
+    sq1b,
+    sq1h,
+    sq1n,
+    sq1d,
+    sk1b,
+    sk1h,
+    sk1n,
+    sk1d,
+    sq2b,
+    sq2h,
+    sq2n,
+    sq2d,
+    sk2b,
+    sk2h,
+    sk2n,
+    sk2d,
+    H,
+    NQ,
+    NK,
+    G1,
+    G2,
+    c1,
+    c2,
+    scale1,
+    scale2,
+    D1: tl.constexpr,
+    D2: tl.constexpr,
+    D1P: tl.constexpr,
+    D2P: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    VARLEN: tl.constexpr,
+    DQ1_ON: tl.constexpr,
+    DQ2_ON: tl.constexpr,
+    PREC: tl.constexpr,
 ):
     # grid: (cdiv(Nq, BLOCK_M), H, B or num_seqs)
     pid_m = tl.program_id(0)
@@ -131,10 +203,16 @@ def _bwd_dq_kernel(
     offs_d1 = tl.arange(0, D1P)
     offs_d2 = tl.arange(0, D2P)
     mmask = offs_m < q_len
-    q1 = tl.load(Q1 + offs_m[:, None] * sq1n + offs_d1[None, :] * sq1d,
-                 mask=mmask[:, None] & (offs_d1[None, :] < D1), other=0.0)
-    q2 = tl.load(Q2 + offs_m[:, None] * sq2n + offs_d2[None, :] * sq2d,
-                 mask=mmask[:, None] & (offs_d2[None, :] < D2), other=0.0)
+    q1 = tl.load(
+        Q1 + offs_m[:, None] * sq1n + offs_d1[None, :] * sq1d,
+        mask=mmask[:, None] & (offs_d1[None, :] < D1),
+        other=0.0,
+    )
+    q2 = tl.load(
+        Q2 + offs_m[:, None] * sq2n + offs_d2[None, :] * sq2d,
+        mask=mmask[:, None] & (offs_d2[None, :] < D2),
+        other=0.0,
+    )
     row = (b64 * H + h) * NQ + seq64 + offs_m
     L1, L2, c, g = _row_state(LSE1, LSE2, KLp, G, row, mmask)
 
@@ -149,44 +227,147 @@ def _bwd_dq_kernel(
 
     dq1 = tl.zeros([BLOCK_M, D1P], tl.float32)
     dq2 = tl.zeros([BLOCK_M, D2P], tl.float32)
-    dq1, dq2 = _bwd_dq_inner(dq1, dq2, q1, q2, L1, L2, c, g, K1, K2, sk1n, sk1d, sk2n, sk2d,
-                             0, mid, offs_m, k_len, diag, c1, c2, D1, D2, D1P, D2P,
-                             BLOCK_N, False, CAUSAL, DQ1_ON, DQ2_ON, PREC)
-    dq1, dq2 = _bwd_dq_inner(dq1, dq2, q1, q2, L1, L2, c, g, K1, K2, sk1n, sk1d, sk2n, sk2d,
-                             mid, hi, offs_m, k_len, diag, c1, c2, D1, D2, D1P, D2P,
-                             BLOCK_N, True, CAUSAL, DQ1_ON, DQ2_ON, PREC)
+    dq1, dq2 = _bwd_dq_inner(
+        dq1,
+        dq2,
+        q1,
+        q2,
+        L1,
+        L2,
+        c,
+        g,
+        K1,
+        K2,
+        sk1n,
+        sk1d,
+        sk2n,
+        sk2d,
+        0,
+        mid,
+        offs_m,
+        k_len,
+        diag,
+        c1,
+        c2,
+        D1,
+        D2,
+        D1P,
+        D2P,
+        BLOCK_N,
+        False,
+        CAUSAL,
+        DQ1_ON,
+        DQ2_ON,
+        PREC,
+    )
+    dq1, dq2 = _bwd_dq_inner(
+        dq1,
+        dq2,
+        q1,
+        q2,
+        L1,
+        L2,
+        c,
+        g,
+        K1,
+        K2,
+        sk1n,
+        sk1d,
+        sk2n,
+        sk2d,
+        mid,
+        hi,
+        offs_m,
+        k_len,
+        diag,
+        c1,
+        c2,
+        D1,
+        D2,
+        D1P,
+        D2P,
+        BLOCK_N,
+        True,
+        CAUSAL,
+        DQ1_ON,
+        DQ2_ON,
+        PREC,
+    )
     if DQ1_ON:
         ptrs = DQ1 + row[:, None] * D1 + offs_d1[None, :]
-        tl.store(ptrs, (dq1 * scale1).to(DQ1.dtype.element_ty),
-                 mask=mmask[:, None] & (offs_d1[None, :] < D1))
+        tl.store(ptrs, (dq1 * scale1).to(DQ1.dtype.element_ty), mask=mmask[:, None] & (offs_d1[None, :] < D1))
     if DQ2_ON:
         ptrs = DQ2 + row[:, None] * D2 + offs_d2[None, :]
-        tl.store(ptrs, (dq2 * scale2).to(DQ2.dtype.element_ty),
-                 mask=mmask[:, None] & (offs_d2[None, :] < D2))
+        tl.store(ptrs, (dq2 * scale2).to(DQ2.dtype.element_ty), mask=mmask[:, None] & (offs_d2[None, :] < D2))
 
 
 @triton.jit
-def _bwd_kv_inner(dk1, dk2, k1, k2, Q1, Q2, stride_q1n, stride_q1d, stride_q2n, stride_q2d,
-                  LSE1, LSE2, KLp, G, row0, DQA1, DQA2,
-                  lo, hi, offs_n, q_len, k_len, diag, c1, c2, scale1, scale2,
-                  D1: tl.constexpr, D2: tl.constexpr, D1P: tl.constexpr, D2P: tl.constexpr,
-                  BLOCK_M: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-                  NEED1: tl.constexpr, NEED2: tl.constexpr,
-                  DK1: tl.constexpr, DK2: tl.constexpr, FQ1: tl.constexpr, FQ2: tl.constexpr,
-                  PREC: tl.constexpr):
+def _bwd_kv_inner(
+    dk1,
+    dk2,
+    k1,
+    k2,
+    Q1,
+    Q2,
+    stride_q1n,
+    stride_q1d,
+    stride_q2n,
+    stride_q2d,
+    LSE1,
+    LSE2,
+    KLp,
+    G,
+    row0,
+    DQA1,
+    DQA2,
+    lo,
+    hi,
+    offs_n,
+    q_len,
+    k_len,
+    diag,
+    c1,
+    c2,
+    scale1,
+    scale2,
+    D1: tl.constexpr,
+    D2: tl.constexpr,
+    D1P: tl.constexpr,
+    D2P: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    NEED1: tl.constexpr,
+    NEED2: tl.constexpr,
+    DK1: tl.constexpr,
+    DK2: tl.constexpr,
+    FQ1: tl.constexpr,
+    FQ2: tl.constexpr,
+    PREC: tl.constexpr,
+):
     # Walks query tiles [lo, hi) against one key tile; everything here is transposed: [BN, BM].
     offs_d1 = tl.arange(0, D1P)
     offs_d2 = tl.arange(0, D2P)
     for m0 in range(lo, hi, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
         mmask = offs_m < q_len
-        q1 = tl.load(Q1 + tl.cast(m0, tl.int64) * stride_q1n + (tl.arange(0, BLOCK_M)[:, None] * stride_q1n + offs_d1[None, :] * stride_q1d),
-                     mask=mmask[:, None] & (offs_d1[None, :] < D1), other=0.0)
-        q2 = tl.load(Q2 + tl.cast(m0, tl.int64) * stride_q2n + (tl.arange(0, BLOCK_M)[:, None] * stride_q2n + offs_d2[None, :] * stride_q2d),
-                     mask=mmask[:, None] & (offs_d2[None, :] < D2), other=0.0)
+        q1 = tl.load(
+            Q1
+            + tl.cast(m0, tl.int64) * stride_q1n
+            + (tl.arange(0, BLOCK_M)[:, None] * stride_q1n + offs_d1[None, :] * stride_q1d),
+            mask=mmask[:, None] & (offs_d1[None, :] < D1),
+            other=0.0,
+        )
+        q2 = tl.load(
+            Q2
+            + tl.cast(m0, tl.int64) * stride_q2n
+            + (tl.arange(0, BLOCK_M)[:, None] * stride_q2n + offs_d2[None, :] * stride_q2d),
+            mask=mmask[:, None] & (offs_d2[None, :] < D2),
+            other=0.0,
+        )
         row = row0 + offs_m
         L1, L2, c, g = _row_state(LSE1, LSE2, KLp, G, row, mmask)
-        t1 = tl.dot(k1, tl.trans(q1), input_precision=PREC) * c1   # [BN, BM]
+        t1 = tl.dot(k1, tl.trans(q1), input_precision=PREC) * c1  # [BN, BM]
         t2 = tl.dot(k2, tl.trans(q2), input_precision=PREC) * c2
         if MASKED:
             valid = offs_n[:, None] < k_len
@@ -202,8 +383,12 @@ def _bwd_kv_inner(dk1, dk2, k1, k2, Q1, Q2, stride_q1n, stride_q1d, stride_q2n, 
                 dk2 += tl.dot(ds2, q2, input_precision=PREC)
             if FQ2:
                 part = tl.dot(tl.trans(ds2), k2, input_precision=PREC) * scale2
-                tl.atomic_add(DQA2 + row[:, None] * D2 + offs_d2[None, :], part,
-                              mask=mmask[:, None] & (offs_d2[None, :] < D2), sem="relaxed")
+                tl.atomic_add(
+                    DQA2 + row[:, None] * D2 + offs_d2[None, :],
+                    part,
+                    mask=mmask[:, None] & (offs_d2[None, :] < D2),
+                    sem="relaxed",
+                )
         if NEED1:
             ds1 = g[None, :] * p1 * ((t1 - t2) * 0.6931471805599453 - c[None, :])
             if MASKED:
@@ -213,24 +398,70 @@ def _bwd_kv_inner(dk1, dk2, k1, k2, Q1, Q2, stride_q1n, stride_q1d, stride_q2n, 
                 dk1 += tl.dot(ds1, q1, input_precision=PREC)
             if FQ1:
                 part = tl.dot(tl.trans(ds1), k1, input_precision=PREC) * scale1
-                tl.atomic_add(DQA1 + row[:, None] * D1 + offs_d1[None, :], part,
-                              mask=mmask[:, None] & (offs_d1[None, :] < D1), sem="relaxed")
+                tl.atomic_add(
+                    DQA1 + row[:, None] * D1 + offs_d1[None, :],
+                    part,
+                    mask=mmask[:, None] & (offs_d1[None, :] < D1),
+                    sem="relaxed",
+                )
     return dk1, dk2
 
 
 @triton.jit(do_not_specialize=["H", "HK1", "HK2", "NQ", "NK", "G1", "G2", "GG"])
 def _bwd_dk_kernel(
-    Q1, K1, Q2, K2,          # [B, H, Nq, D1], [B, Hk1, Nk, D1], [B, H, Nq, D2], [B, Hk2, Nk, D2]
-    G, KLp, LSE1, LSE2,      # [B, H, Nq] float32, contiguous
-    DK1, DK2,                # [B, Hk1, Nk, D1], [B, Hk2, Nk, D2] contiguous, input dtype
-    DQA1, DQA2,              # [B, H, Nq, D1], [B, H, Nq, D2] contiguous fp32 accumulators (fused)
-    CU,                      # [num_seqs + 1] int32 when VARLEN
-    sq1b, sq1h, sq1n, sq1d, sk1b, sk1h, sk1n, sk1d,
-    sq2b, sq2h, sq2n, sq2d, sk2b, sk2h, sk2n, sk2d,
-    H, HK1, HK2, NQ, NK, G1, G2, GG, c1, c2, scale1, scale2,
-    D1: tl.constexpr, D2: tl.constexpr, D1P: tl.constexpr, D2P: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, VARLEN: tl.constexpr,
-    DK1_ON: tl.constexpr, DK2_ON: tl.constexpr, FQ1: tl.constexpr, FQ2: tl.constexpr,
+    Q1,
+    K1,
+    Q2,
+    K2,  # [B, H, Nq, D1], [B, Hk1, Nk, D1], [B, H, Nq, D2], [B, Hk2, Nk, D2]
+    G,
+    KLp,
+    LSE1,
+    LSE2,  # [B, H, Nq] float32, contiguous
+    DK1,
+    DK2,  # [B, Hk1, Nk, D1], [B, Hk2, Nk, D2] contiguous, input dtype
+    DQA1,
+    DQA2,  # [B, H, Nq, D1], [B, H, Nq, D2] contiguous fp32 accumulators (fused)
+    CU,  # [num_seqs + 1] int32 when VARLEN
+    sq1b,
+    sq1h,
+    sq1n,
+    sq1d,
+    sk1b,
+    sk1h,
+    sk1n,
+    sk1d,
+    sq2b,
+    sq2h,
+    sq2n,
+    sq2d,
+    sk2b,
+    sk2h,
+    sk2n,
+    sk2d,
+    H,
+    HK1,
+    HK2,
+    NQ,
+    NK,
+    G1,
+    G2,
+    GG,
+    c1,
+    c2,
+    scale1,
+    scale2,
+    D1: tl.constexpr,
+    D2: tl.constexpr,
+    D1P: tl.constexpr,
+    D2P: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    VARLEN: tl.constexpr,
+    DK1_ON: tl.constexpr,
+    DK2_ON: tl.constexpr,
+    FQ1: tl.constexpr,
+    FQ2: tl.constexpr,
     PREC: tl.constexpr,
 ):
     # grid: (cdiv(Nk, BLOCK_N), H // GG, B or num_seqs). The program owns one key tile of key
@@ -280,23 +511,113 @@ def _bwd_dk_kernel(
     for hh in range(0, GG):
         h = hg * GG + hh
         h64 = h.to(tl.int64)
-        k1 = tl.load(K1 + b64 * sk1b + (h // G1).to(tl.int64) * sk1h + (seq64 + offs_n[:, None]) * sk1n + offs_d1[None, :] * sk1d,
-                     mask=nmask[:, None] & (offs_d1[None, :] < D1), other=0.0)
-        k2 = tl.load(K2 + b64 * sk2b + (h // G2).to(tl.int64) * sk2h + (seq64 + offs_n[:, None]) * sk2n + offs_d2[None, :] * sk2d,
-                     mask=nmask[:, None] & (offs_d2[None, :] < D2), other=0.0)
+        k1 = tl.load(
+            K1
+            + b64 * sk1b
+            + (h // G1).to(tl.int64) * sk1h
+            + (seq64 + offs_n[:, None]) * sk1n
+            + offs_d1[None, :] * sk1d,
+            mask=nmask[:, None] & (offs_d1[None, :] < D1),
+            other=0.0,
+        )
+        k2 = tl.load(
+            K2
+            + b64 * sk2b
+            + (h // G2).to(tl.int64) * sk2h
+            + (seq64 + offs_n[:, None]) * sk2n
+            + offs_d2[None, :] * sk2d,
+            mask=nmask[:, None] & (offs_d2[None, :] < D2),
+            other=0.0,
+        )
         q1b = Q1 + b64 * sq1b + h64 * sq1h + seq64 * sq1n
         q2b = Q2 + b64 * sq2b + h64 * sq2h + seq64 * sq2n
         row0 = (b64 * H + h) * NQ + seq64
-        dk1, dk2 = _bwd_kv_inner(dk1, dk2, k1, k2, q1b, q2b, sq1n, sq1d, sq2n, sq2d,
-                                 LSE1, LSE2, KLp, G, row0, DQA1, DQA2,
-                                 m_lo, m_full, offs_n, q_len, k_len, diag, c1, c2, scale1, scale2,
-                                 D1, D2, D1P, D2P, BLOCK_M, True, CAUSAL, NEED1, NEED2,
-                                 DK1_ON, DK2_ON, FQ1, FQ2, PREC)
-        dk1, dk2 = _bwd_kv_inner(dk1, dk2, k1, k2, q1b, q2b, sq1n, sq1d, sq2n, sq2d,
-                                 LSE1, LSE2, KLp, G, row0, DQA1, DQA2,
-                                 m_full, q_len, offs_n, q_len, k_len, diag, c1, c2, scale1, scale2,
-                                 D1, D2, D1P, D2P, BLOCK_M, False, CAUSAL, NEED1, NEED2,
-                                 DK1_ON, DK2_ON, FQ1, FQ2, PREC)
+        dk1, dk2 = _bwd_kv_inner(
+            dk1,
+            dk2,
+            k1,
+            k2,
+            q1b,
+            q2b,
+            sq1n,
+            sq1d,
+            sq2n,
+            sq2d,
+            LSE1,
+            LSE2,
+            KLp,
+            G,
+            row0,
+            DQA1,
+            DQA2,
+            m_lo,
+            m_full,
+            offs_n,
+            q_len,
+            k_len,
+            diag,
+            c1,
+            c2,
+            scale1,
+            scale2,
+            D1,
+            D2,
+            D1P,
+            D2P,
+            BLOCK_M,
+            True,
+            CAUSAL,
+            NEED1,
+            NEED2,
+            DK1_ON,
+            DK2_ON,
+            FQ1,
+            FQ2,
+            PREC,
+        )
+        dk1, dk2 = _bwd_kv_inner(
+            dk1,
+            dk2,
+            k1,
+            k2,
+            q1b,
+            q2b,
+            sq1n,
+            sq1d,
+            sq2n,
+            sq2d,
+            LSE1,
+            LSE2,
+            KLp,
+            G,
+            row0,
+            DQA1,
+            DQA2,
+            m_full,
+            q_len,
+            offs_n,
+            q_len,
+            k_len,
+            diag,
+            c1,
+            c2,
+            scale1,
+            scale2,
+            D1,
+            D2,
+            D1P,
+            D2P,
+            BLOCK_M,
+            False,
+            CAUSAL,
+            NEED1,
+            NEED2,
+            DK1_ON,
+            DK2_ON,
+            FQ1,
+            FQ2,
+            PREC,
+        )
     if DK1_ON:
         hk = hg * GG // G1
         ptrs = DK1 + ((b64 * HK1 + hk) * NK + seq64 + offs_n[:, None]) * D1 + offs_d1[None, :]

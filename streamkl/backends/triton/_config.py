@@ -112,12 +112,19 @@ def fwd_cfg(d1p: int, d2p: int, dtype: torch.dtype, causal: bool, nq: int, inter
         cfg = _FWD[(*_key(d1p, d2p, dtype), bool(causal))]
     # Decode-sized Nq: a BLOCK_M no larger than Nq (at least 16, tl.dot's minimum).
     bm = max(16, min(cfg.block_m, _next_pow2(nq)))
-    return Cfg(bm, cfg.block_n, cfg.num_warps if bm >= 64 else 4, cfg.num_stages, cfg.pipe,
-               cfg.exp16 and dtype != torch.float32)
+    return Cfg(
+        bm,
+        cfg.block_n,
+        cfg.num_warps if bm >= 64 else 4,
+        cfg.num_stages,
+        cfg.pipe,
+        cfg.exp16 and dtype != torch.float32,
+    )
 
 
-def bwd_cfgs(d1p: int, d2p: int, dtype: torch.dtype, causal: bool, interpret: bool,
-             both: bool = False) -> tuple[Cfg, Cfg]:
+def bwd_cfgs(
+    d1p: int, d2p: int, dtype: torch.dtype, causal: bool, interpret: bool, both: bool = False
+) -> tuple[Cfg, Cfg]:
     """(dq kernel, key-major kernel) configs; `both`: gradients of both settings requested."""
     if interpret:
         q, k = INTERPRET_CFG, INTERPRET_CFG

@@ -38,11 +38,32 @@ def _load_k(K, n0, stride_n, stride_d, offs_n, offs_d, D: tl.constexpr, DP: tl.c
 
 
 @triton.jit
-def _fwd_inner_pipe(m1, l1, m2, l2, acc, q1, q2, K1, K2,
-                    stride_k1n, stride_k1d, stride_k2n, stride_k2d,
-                    lo, hi, c1, c2,
-                    D1: tl.constexpr, D2: tl.constexpr, D1P: tl.constexpr, D2P: tl.constexpr,
-                    BLOCK_N: tl.constexpr, PREC: tl.constexpr, EXP16: tl.constexpr):
+def _fwd_inner_pipe(
+    m1,
+    l1,
+    m2,
+    l2,
+    acc,
+    q1,
+    q2,
+    K1,
+    K2,
+    stride_k1n,
+    stride_k1d,
+    stride_k2n,
+    stride_k2d,
+    lo,
+    hi,
+    c1,
+    c2,
+    D1: tl.constexpr,
+    D2: tl.constexpr,
+    D1P: tl.constexpr,
+    D2P: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PREC: tl.constexpr,
+    EXP16: tl.constexpr,
+):
     # The unmasked tiles, software-pipelined by hand: the S GEMMs of tile j+1 are issued before
     # the exponentials of tile j, so the tensor cores run while the same warps do the softmax
     # (the last iteration recomputes the final tile once and drops it).
@@ -69,8 +90,9 @@ def _fwd_inner_pipe(m1, l1, m2, l2, acc, q1, q2, K1, K2,
                 # Student weights only feed l2: two exponentials per MUFU op (ex2.approx.f16x2)
                 # take a quarter of the MUFU work off; 16-bit inputs only (docs/triton.md).
                 x2 = (t2 - m2n[:, None]).to(tl.float16)
-                p2 = tl.inline_asm_elementwise("ex2.approx.f16x2 $0, $1;", "=r,r", [x2],
-                                               dtype=tl.float16, is_pure=True, pack=2).to(tl.float32)
+                p2 = tl.inline_asm_elementwise(
+                    "ex2.approx.f16x2 $0, $1;", "=r,r", [x2], dtype=tl.float16, is_pure=True, pack=2
+                ).to(tl.float32)
             else:
                 p2 = tl.math.exp2(t2 - m2n[:, None])
             a1 = tl.math.exp2(m1 - m1n)
@@ -86,21 +108,52 @@ def _fwd_inner_pipe(m1, l1, m2, l2, acc, q1, q2, K1, K2,
 
 
 @triton.jit
-def _fwd_inner(m1, l1, m2, l2, acc, q1, q2,
-               K1, K2,  # tile-origin pointers of this (batch, key head, sequence)
-               stride_k1n, stride_k1d, stride_k2n, stride_k2d,
-               lo, hi, offs_m, k_len, diag, c1, c2,
-               D1: tl.constexpr, D2: tl.constexpr, D1P: tl.constexpr, D2P: tl.constexpr,
-               BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-               PREC: tl.constexpr):
+def _fwd_inner(
+    m1,
+    l1,
+    m2,
+    l2,
+    acc,
+    q1,
+    q2,
+    K1,
+    K2,  # tile-origin pointers of this (batch, key head, sequence)
+    stride_k1n,
+    stride_k1d,
+    stride_k2n,
+    stride_k2d,
+    lo,
+    hi,
+    offs_m,
+    k_len,
+    diag,
+    c1,
+    c2,
+    D1: tl.constexpr,
+    D2: tl.constexpr,
+    D1P: tl.constexpr,
+    D2P: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    PREC: tl.constexpr,
+):
     # Streams key tiles [lo, hi). MASKED tiles apply the key bound and the causal frontier
     # (row i sees key j <= i + diag); unmasked tiles are fully visible to every row of the tile.
     offs_n = tl.arange(0, BLOCK_N)
     offs_d1 = tl.arange(0, D1P)
     offs_d2 = tl.arange(0, D2P)
     for n0 in range(lo, hi, BLOCK_N):
-        k1_ptrs = K1 + tl.cast(n0, tl.int64) * stride_k1n + (offs_n[:, None] * stride_k1n + offs_d1[None, :] * stride_k1d)
-        k2_ptrs = K2 + tl.cast(n0, tl.int64) * stride_k2n + (offs_n[:, None] * stride_k2n + offs_d2[None, :] * stride_k2d)
+        k1_ptrs = (
+            K1
+            + tl.cast(n0, tl.int64) * stride_k1n
+            + (offs_n[:, None] * stride_k1n + offs_d1[None, :] * stride_k1d)
+        )
+        k2_ptrs = (
+            K2
+            + tl.cast(n0, tl.int64) * stride_k2n
+            + (offs_n[:, None] * stride_k2n + offs_d2[None, :] * stride_k2d)
+        )
         if MASKED:
             nmask = (n0 + offs_n) < k_len
             k1 = tl.load(k1_ptrs, mask=nmask[:, None] & (offs_d1[None, :] < D1), other=0.0)
@@ -150,16 +203,51 @@ def _fwd_inner(m1, l1, m2, l2, acc, q1, q2,
 # strides are, so the loads stay 16-byte vectors.
 @triton.jit(do_not_specialize=["H", "NQ", "NK", "G1", "G2", "split_len", "n_splits"])
 def _fwd_kernel(
-    Q1, K1, Q2, K2,          # [B, H, Nq, D1], [B, Hk1, Nk, D1], [B, H, Nq, D2], [B, Hk2, Nk, D2]
-    KL, LSE1, LSE2,          # [B, H, Nq] float32 (unused when SPLIT)
-    PART,                    # [5, SPLITS, B, H, Nq] float32 partial (m1, l1, m2, l2, acc) when SPLIT
-    CU,                      # [num_seqs + 1] int32 when VARLEN
-    sq1b, sq1h, sq1n, sq1d, sk1b, sk1h, sk1n, sk1d,
-    sq2b, sq2h, sq2n, sq2d, sk2b, sk2h, sk2n, sk2d,
-    H, NQ, NK, G1, G2, c1, c2, split_len, n_splits,
-    D1: tl.constexpr, D2: tl.constexpr, D1P: tl.constexpr, D2P: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-    VARLEN: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr, PIPE: tl.constexpr,
+    Q1,
+    K1,
+    Q2,
+    K2,  # [B, H, Nq, D1], [B, Hk1, Nk, D1], [B, H, Nq, D2], [B, Hk2, Nk, D2]
+    KL,
+    LSE1,
+    LSE2,  # [B, H, Nq] float32 (unused when SPLIT)
+    PART,  # [5, SPLITS, B, H, Nq] float32 partial (m1, l1, m2, l2, acc) when SPLIT
+    CU,  # [num_seqs + 1] int32 when VARLEN
+    sq1b,
+    sq1h,
+    sq1n,
+    sq1d,
+    sk1b,
+    sk1h,
+    sk1n,
+    sk1d,
+    sq2b,
+    sq2h,
+    sq2n,
+    sq2d,
+    sk2b,
+    sk2h,
+    sk2n,
+    sk2d,
+    H,
+    NQ,
+    NK,
+    G1,
+    G2,
+    c1,
+    c2,
+    split_len,
+    n_splits,
+    D1: tl.constexpr,
+    D2: tl.constexpr,
+    D1P: tl.constexpr,
+    D2P: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    VARLEN: tl.constexpr,
+    SPLIT: tl.constexpr,
+    PREC: tl.constexpr,
+    PIPE: tl.constexpr,
     EXP16: tl.constexpr,
 ):
     # grid: (cdiv(Nq, BLOCK_M) [* n_splits when SPLIT], H, B or num_seqs)
@@ -197,10 +285,16 @@ def _fwd_kernel(
     offs_d1 = tl.arange(0, D1P)
     offs_d2 = tl.arange(0, D2P)
     mmask = offs_m < q_len
-    q1 = tl.load(Q1 + offs_m[:, None] * sq1n + offs_d1[None, :] * sq1d,
-                 mask=mmask[:, None] & (offs_d1[None, :] < D1), other=0.0)
-    q2 = tl.load(Q2 + offs_m[:, None] * sq2n + offs_d2[None, :] * sq2d,
-                 mask=mmask[:, None] & (offs_d2[None, :] < D2), other=0.0)
+    q1 = tl.load(
+        Q1 + offs_m[:, None] * sq1n + offs_d1[None, :] * sq1d,
+        mask=mmask[:, None] & (offs_d1[None, :] < D1),
+        other=0.0,
+    )
+    q2 = tl.load(
+        Q2 + offs_m[:, None] * sq2n + offs_d2[None, :] * sq2d,
+        mask=mmask[:, None] & (offs_d2[None, :] < D2),
+        other=0.0,
+    )
 
     # Key range of this program: [0, hi) stops at the causal frontier of the tile's last row;
     # tiles below full_end are visible to every row of the tile and run unmasked.
@@ -224,15 +318,93 @@ def _fwd_kernel(
     l2 = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M], tl.float32)
     if PIPE:
-        m1, l1, m2, l2, acc = _fwd_inner_pipe(m1, l1, m2, l2, acc, q1, q2, K1, K2, sk1n, sk1d, sk2n, sk2d,
-                                              lo, mid, c1, c2, D1, D2, D1P, D2P, BLOCK_N, PREC, EXP16)
+        m1, l1, m2, l2, acc = _fwd_inner_pipe(
+            m1,
+            l1,
+            m2,
+            l2,
+            acc,
+            q1,
+            q2,
+            K1,
+            K2,
+            sk1n,
+            sk1d,
+            sk2n,
+            sk2d,
+            lo,
+            mid,
+            c1,
+            c2,
+            D1,
+            D2,
+            D1P,
+            D2P,
+            BLOCK_N,
+            PREC,
+            EXP16,
+        )
     else:
-        m1, l1, m2, l2, acc = _fwd_inner(m1, l1, m2, l2, acc, q1, q2, K1, K2, sk1n, sk1d, sk2n, sk2d,
-                                         lo, mid, offs_m, k_len, diag, c1, c2, D1, D2, D1P, D2P,
-                                         BLOCK_N, False, CAUSAL, PREC)
-    m1, l1, m2, l2, acc = _fwd_inner(m1, l1, m2, l2, acc, q1, q2, K1, K2, sk1n, sk1d, sk2n, sk2d,
-                                     mid, hi, offs_m, k_len, diag, c1, c2, D1, D2, D1P, D2P,
-                                     BLOCK_N, True, CAUSAL, PREC)
+        m1, l1, m2, l2, acc = _fwd_inner(
+            m1,
+            l1,
+            m2,
+            l2,
+            acc,
+            q1,
+            q2,
+            K1,
+            K2,
+            sk1n,
+            sk1d,
+            sk2n,
+            sk2d,
+            lo,
+            mid,
+            offs_m,
+            k_len,
+            diag,
+            c1,
+            c2,
+            D1,
+            D2,
+            D1P,
+            D2P,
+            BLOCK_N,
+            False,
+            CAUSAL,
+            PREC,
+        )
+    m1, l1, m2, l2, acc = _fwd_inner(
+        m1,
+        l1,
+        m2,
+        l2,
+        acc,
+        q1,
+        q2,
+        K1,
+        K2,
+        sk1n,
+        sk1d,
+        sk2n,
+        sk2d,
+        mid,
+        hi,
+        offs_m,
+        k_len,
+        diag,
+        c1,
+        c2,
+        D1,
+        D2,
+        D1P,
+        D2P,
+        BLOCK_N,
+        True,
+        CAUSAL,
+        PREC,
+    )
 
     row = (b64 * H + h) * NQ + seq64 + offs_m
     if SPLIT:
@@ -250,13 +422,20 @@ def _fwd_kernel(
         l2s = tl.where(seen, l2, 1.0)
         kl = (acc / l1s + (m2 - m1) + tl.math.log2(l2s) - tl.math.log2(l1s)) * 0.6931471805599453
         tl.store(KL + row, tl.where(seen, kl, 0.0), mask=mmask)
-        tl.store(LSE1 + row, tl.where(seen, (m1 + tl.math.log2(l1s)) * 0.6931471805599453, float("-inf")), mask=mmask)
-        tl.store(LSE2 + row, tl.where(seen, (m2 + tl.math.log2(l2s)) * 0.6931471805599453, float("-inf")), mask=mmask)
+        tl.store(
+            LSE1 + row,
+            tl.where(seen, (m1 + tl.math.log2(l1s)) * 0.6931471805599453, float("-inf")),
+            mask=mmask,
+        )
+        tl.store(
+            LSE2 + row,
+            tl.where(seen, (m2 + tl.math.log2(l2s)) * 0.6931471805599453, float("-inf")),
+            mask=mmask,
+        )
 
 
 @triton.jit(do_not_specialize=["ROWS", "n_splits"])
-def _merge_kernel(PART, KL, LSE1, LSE2, ROWS, n_splits,
-                  SPLITS_P: tl.constexpr, BLOCK_R: tl.constexpr):
+def _merge_kernel(PART, KL, LSE1, LSE2, ROWS, n_splits, SPLITS_P: tl.constexpr, BLOCK_R: tl.constexpr):
     # PART: [5, n_splits, ROWS] partial (m1, l1, m2, l2, acc); one program merges BLOCK_R rows.
     offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_s = tl.arange(0, SPLITS_P)
@@ -283,5 +462,13 @@ def _merge_kernel(PART, KL, LSE1, LSE2, ROWS, n_splits,
     L2s = tl.where(seen, L2, 1.0)
     kl = (A / L1s + (M2u - M1u) + tl.math.log2(L2s) - tl.math.log2(L1s)) * 0.6931471805599453
     tl.store(KL + offs_r, tl.where(seen, kl, 0.0), mask=rmask)
-    tl.store(LSE1 + offs_r, tl.where(seen, (M1u + tl.math.log2(L1s)) * 0.6931471805599453, float("-inf")), mask=rmask)
-    tl.store(LSE2 + offs_r, tl.where(seen, (M2u + tl.math.log2(L2s)) * 0.6931471805599453, float("-inf")), mask=rmask)
+    tl.store(
+        LSE1 + offs_r,
+        tl.where(seen, (M1u + tl.math.log2(L1s)) * 0.6931471805599453, float("-inf")),
+        mask=rmask,
+    )
+    tl.store(
+        LSE2 + offs_r,
+        tl.where(seen, (M2u + tl.math.log2(L2s)) * 0.6931471805599453, float("-inf")),
+        mask=rmask,
+    )

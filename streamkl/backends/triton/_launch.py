@@ -64,36 +64,98 @@ def forward(q1, k1, q2, k2, *, causal, scale1, scale2, cu_seqlens, max_seqlen):
     nk_tiles = triton.cdiv(max(nk, 1), cfg.block_n)
     splits = 1
     if not varlen:
-        splits = _config.split_count(zdim * H * m_tiles, nk_tiles, _num_sms(dev), _env.triton_split_k(),
-                                        cfg.block_m)
+        splits = _config.split_count(
+            zdim * H * m_tiles, nk_tiles, _num_sms(dev), _env.triton_split_k(), cfg.block_m
+        )
     cu = cu_seqlens if varlen else kl  # placeholder pointer when not varlen (never read)
     c1 = float(scale1) * LOG2E
     c2 = float(scale2) * LOG2E
-    common = dict(D1=D1, D2=D2, D1P=D1P, D2P=D2P, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                  CAUSAL=bool(causal), VARLEN=varlen, PREC=_prec(q1.dtype),
-                  PIPE=bool(cfg.pipe), EXP16=bool(cfg.exp16), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    common = dict(
+        D1=D1,
+        D2=D2,
+        D1P=D1P,
+        D2P=D2P,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        CAUSAL=bool(causal),
+        VARLEN=varlen,
+        PREC=_prec(q1.dtype),
+        PIPE=bool(cfg.pipe),
+        EXP16=bool(cfg.exp16),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
     if splits == 1:
         _fwd_kernel[(m_tiles, H, zdim)](
-            q1, k1, q2, k2, kl, lse1, lse2, kl, cu, *_strides(q1, k1, q2, k2),
-            H, NQ, NK, g1, g2, c1, c2, nk, 1, SPLIT=False, **common)
+            q1,
+            k1,
+            q2,
+            k2,
+            kl,
+            lse1,
+            lse2,
+            kl,
+            cu,
+            *_strides(q1, k1, q2, k2),
+            H,
+            NQ,
+            NK,
+            g1,
+            g2,
+            c1,
+            c2,
+            nk,
+            1,
+            SPLIT=False,
+            **common,
+        )
         return kl, lse1, lse2
     # Split-K: each split covers a whole number of key tiles.
     split_len = triton.cdiv(nk_tiles, splits) * cfg.block_n
     splits = triton.cdiv(nk, split_len)
     part = torch.empty((5, splits, B, H, NQ), device=dev, dtype=torch.float32)
     _fwd_kernel[(m_tiles * splits, H, zdim)](
-        q1, k1, q2, k2, kl, lse1, lse2, part, cu, *_strides(q1, k1, q2, k2),
-        H, NQ, NK, g1, g2, c1, c2, split_len, splits, SPLIT=True, **common)
+        q1,
+        k1,
+        q2,
+        k2,
+        kl,
+        lse1,
+        lse2,
+        part,
+        cu,
+        *_strides(q1, k1, q2, k2),
+        H,
+        NQ,
+        NK,
+        g1,
+        g2,
+        c1,
+        c2,
+        split_len,
+        splits,
+        SPLIT=True,
+        **common,
+    )
     n_rows = B * H * NQ
     block_r = 128
     _merge_kernel[(triton.cdiv(n_rows, block_r),)](
-        part, kl, lse1, lse2, n_rows, splits,
-        SPLITS_P=triton.next_power_of_2(splits), BLOCK_R=block_r, num_warps=4)
+        part,
+        kl,
+        lse1,
+        lse2,
+        n_rows,
+        splits,
+        SPLITS_P=triton.next_power_of_2(splits),
+        BLOCK_R=block_r,
+        num_warps=4,
+    )
     return kl, lse1, lse2
 
 
-def backward(grad_kl, q1, k1, q2, k2, kl, lse1, lse2, *, causal, scale1, scale2, cu_seqlens,
-             max_seqlen, needs):
+def backward(
+    grad_kl, q1, k1, q2, k2, kl, lse1, lse2, *, causal, scale1, scale2, cu_seqlens, max_seqlen, needs
+):
     B, H, NQ, NK, D1, D2, g1, g2, rows, zdim = _geometry(q1, k1, q2, k2, cu_seqlens, max_seqlen)
     D1P, D2P = pow2_dim(D1), pow2_dim(D2)
     dev = q1.device
@@ -144,20 +206,62 @@ def backward(grad_kl, q1, k1, q2, k2, kl, lse1, lse2, *, causal, scale1, scale2,
     fq = [False, False]
     if fused:
         fq = [need_dq1, need_dq2]
-        dqa1 = (dq1 if q1.dtype == torch.float32 else torch.empty(q1.shape, device=dev, dtype=torch.float32)).zero_() if need_dq1 else None
-        dqa2 = (dq2 if q2.dtype == torch.float32 else torch.empty(q2.shape, device=dev, dtype=torch.float32)).zero_() if need_dq2 else None
+        dqa1 = (
+            (
+                dq1 if q1.dtype == torch.float32 else torch.empty(q1.shape, device=dev, dtype=torch.float32)
+            ).zero_()
+            if need_dq1
+            else None
+        )
+        dqa2 = (
+            (
+                dq2 if q2.dtype == torch.float32 else torch.empty(q2.shape, device=dev, dtype=torch.float32)
+            ).zero_()
+            if need_dq2
+            else None
+        )
     # dq_t rides on the launch that already forms dS_t for dk_t, else on the first launch.
-    owner = [next((i for i, l in enumerate(launches) if l[1 + t]), 0) if fq[t] else -1 for t in (0, 1)]
+    owner = [next((i for i, la in enumerate(launches) if la[1 + t]), 0) if fq[t] else -1 for t in (0, 1)]
     for i, (gg, do1, do2) in enumerate(launches):
         f1 = owner[0] == i
         f2 = owner[1] == i
         _bwd_dk_kernel[(triton.cdiv(nk, ck.block_n), H // gg, zdim)](
-            q1, k1, q2, k2, grad_kl, kl, lse1, lse2,
-            dk1 if do1 else dummy, dk2 if do2 else dummy,
-            dqa1 if f1 else dummy, dqa2 if f2 else dummy, cu, *strides,
-            H, k1.shape[1], k2.shape[1], NQ, NK, g1, g2, gg, c1, c2, float(scale1), float(scale2),
-            BLOCK_M=ck.block_m, BLOCK_N=ck.block_n, DK1_ON=do1, DK2_ON=do2, FQ1=f1, FQ2=f2,
-            num_warps=ck.num_warps, num_stages=ck.num_stages, **dims)
+            q1,
+            k1,
+            q2,
+            k2,
+            grad_kl,
+            kl,
+            lse1,
+            lse2,
+            dk1 if do1 else dummy,
+            dk2 if do2 else dummy,
+            dqa1 if f1 else dummy,
+            dqa2 if f2 else dummy,
+            cu,
+            *strides,
+            H,
+            k1.shape[1],
+            k2.shape[1],
+            NQ,
+            NK,
+            g1,
+            g2,
+            gg,
+            c1,
+            c2,
+            float(scale1),
+            float(scale2),
+            BLOCK_M=ck.block_m,
+            BLOCK_N=ck.block_n,
+            DK1_ON=do1,
+            DK2_ON=do2,
+            FQ1=f1,
+            FQ2=f2,
+            num_warps=ck.num_warps,
+            num_stages=ck.num_stages,
+            **dims,
+        )
     if fused:
         if need_dq1 and dqa1 is not dq1:
             dq1.copy_(dqa1)
@@ -165,11 +269,35 @@ def backward(grad_kl, q1, k1, q2, k2, kl, lse1, lse2, *, causal, scale1, scale2,
             dq2.copy_(dqa2)
     elif need_dq1 or need_dq2:
         _bwd_dq_kernel[(triton.cdiv(rows, cq.block_m), H, zdim)](
-            q1, k1, q2, k2, grad_kl, kl, lse1, lse2,
-            dq1 if need_dq1 else dummy, dq2 if need_dq2 else dummy, cu, *strides,
-            H, NQ, NK, g1, g2, c1, c2, float(scale1), float(scale2),
-            BLOCK_M=cq.block_m, BLOCK_N=cq.block_n, DQ1_ON=need_dq1, DQ2_ON=need_dq2,
-            num_warps=cq.num_warps, num_stages=cq.num_stages, **dims)
+            q1,
+            k1,
+            q2,
+            k2,
+            grad_kl,
+            kl,
+            lse1,
+            lse2,
+            dq1 if need_dq1 else dummy,
+            dq2 if need_dq2 else dummy,
+            cu,
+            *strides,
+            H,
+            NQ,
+            NK,
+            g1,
+            g2,
+            c1,
+            c2,
+            float(scale1),
+            float(scale2),
+            BLOCK_M=cq.block_m,
+            BLOCK_N=cq.block_n,
+            DQ1_ON=need_dq1,
+            DQ2_ON=need_dq2,
+            num_warps=cq.num_warps,
+            num_stages=cq.num_stages,
+            **dims,
+        )
     return out
 
 
