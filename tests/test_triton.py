@@ -224,6 +224,14 @@ def test_rows_that_see_nothing(strategy):
     assert (dq1[..., :28, :] == 0).all() and (dq2[..., :28, :] == 0).all()
 
 
+def test_no_keys_at_all():
+    q1, k1, q2, k2 = make_inputs(b=1, h=2, nq=5, nk=0, d1=16, d2=16, device=DEVICE)
+    kl, lse1, lse2, kw = _run(q1, k1, q2, k2)
+    assert (kl == 0).all() and torch.isneginf(lse1).all() and torch.isneginf(lse2).all()
+    grads = tb.backward(torch.ones_like(kl), q1, k1, q2, k2, kl, lse1, lse2, needs=ALL, **kw)
+    assert all((t == 0).all() for t in grads)
+
+
 def test_split_k_rows_that_see_nothing(monkeypatch):
     monkeypatch.setenv("STREAMKL_TRITON_SPLIT_K", "3")
     q1, k1, q2, k2 = make_inputs(b=1, h=2, nq=20, nk=10, d1=16, d2=16, device=DEVICE, seed=4)
