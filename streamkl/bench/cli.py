@@ -211,8 +211,7 @@ def _main(argv: list[str]) -> int:
     hard = args.hard_timeout
     if hard is None and math.isfinite(cfg.time_budget_s):
         hard = cfg.time_budget_s + 40.0
-    if hard:
-        _watchdog(hard, runner, out, not args.no_plots, log)
+    watchdog = _watchdog(hard, runner, out, not args.no_plots, log) if hard else None
 
     t0 = time.perf_counter()
     status = 0
@@ -226,6 +225,8 @@ def _main(argv: list[str]) -> int:
         log("interrupted: writing what was measured")
         status = 130
     finally:
+        if watchdog is not None:  # the run is over: a later hang elsewhere is not ours to end
+            watchdog.cancel()
         runner.data["meta"]["finished"] = _dt.datetime.now(_dt.timezone.utc).strftime(
             "%Y-%m-%dT%H:%M:%SZ")
         path = runner.save()
@@ -238,7 +239,7 @@ def _main(argv: list[str]) -> int:
     return status
 
 
-def _watchdog(seconds: float, runner: Runner, out: Path, plots: bool, log) -> None:
+def _watchdog(seconds: float, runner: Runner, out: Path, plots: bool, log) -> threading.Timer:
     """If a call hangs past the hard timeout, render what was saved and leave."""
     import os
 
@@ -256,3 +257,4 @@ def _watchdog(seconds: float, runner: Runner, out: Path, plots: bool, log) -> No
     t = threading.Timer(seconds, fire)
     t.daemon = True
     t.start()
+    return t
