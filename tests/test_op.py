@@ -102,7 +102,7 @@ def test_gradcheck_float64(case):
 def test_matches_oracle_on_cuda_tensors_with_reference():
     inputs = make_inputs(h=2, nq=9, nk=9, dtype=torch.float32, device="cuda")
     out = streamkl.attn_kl(*inputs, backend="reference")
-    torch.testing.assert_close(out.cpu().double(), oracle(*inputs)[0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out.cpu().double(), oracle(*inputs)[0].cpu(), atol=1e-4, rtol=1e-4)
 
 
 # --- backend selection ----------------------------------------------------------------------
