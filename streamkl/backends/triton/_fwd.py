@@ -22,19 +22,46 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ._tiles import key_range, load_tile, sequence, visible
+
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
 
 @triton.jit
-def _load_k(K, n0, stride_n, stride_d, offs_n, offs_d, D: tl.constexpr, DP: tl.constexpr):
-    # A full key tile (rows n0 .. n0+BLOCK_N-1 all in range); masks only the padded head dim.
-    ptrs = K + tl.cast(n0, tl.int64) * stride_n + (offs_n[:, None] * stride_n + offs_d[None, :] * stride_d)
-    if D == DP:
-        k = tl.load(ptrs)
+def _online_step(m1, l1, m2, l2, acc, t1, t2, valid, MASKED: tl.constexpr, EXP16: tl.constexpr):
+    """One key tile of the online form (module docstring) on log2-scaled logits t1, t2 [BM, BN].
+    MASKED: `valid` marks the pairs seen; the rest enter as t = -inf and weigh nothing."""
+    if MASKED:
+        t1 = tl.where(valid, t1, float("-inf"))
+        t2 = tl.where(valid, t2, float("-inf"))
+    m1n = tl.maximum(m1, tl.max(t1, 1))
+    m2n = tl.maximum(m2, tl.max(t2, 1))
+    if MASKED:  # a row with nothing visible yet keeps m = -inf: subtract 0 instead (no NaN)
+        m1u = tl.where(m1n == float("-inf"), 0.0, m1n)
+        m2u = tl.where(m2n == float("-inf"), 0.0, m2n)
     else:
-        k = tl.load(ptrs, mask=offs_d[None, :] < D, other=0.0)
-    return k
+        m1u = m1n
+        m2u = m2n
+    a1 = tl.math.exp2(m1 - m1u)
+    a2 = tl.math.exp2(m2 - m2u)
+    p1 = tl.math.exp2(t1 - m1u[:, None])
+    if EXP16:
+        # Student weights only feed l2: two exponentials per MUFU op (ex2.approx.f16x2) take a
+        # quarter of the MUFU work off; 16-bit inputs only (docs/triton.md).
+        x2 = (t2 - m2u[:, None]).to(tl.float16)
+        p2 = tl.inline_asm_elementwise(
+            "ex2.approx.f16x2 $0, $1;", "=r,r", [x2], dtype=tl.float16, is_pure=True, pack=2
+        ).to(tl.float32)
+    else:
+        p2 = tl.math.exp2(t2 - m2u[:, None])
+    d = t1 - t2
+    if MASKED:
+        d = tl.where(valid, d, 0.0)
+    l1 = l1 * a1 + tl.sum(p1, 1)
+    l2 = l2 * a2 + tl.sum(p2, 1)
+    acc = acc * a1 + tl.sum(p1 * d, 1)
+    return m1n, l1, m2n, l2, acc
 
 
 @triton.jit
@@ -67,41 +94,19 @@ def _fwd_inner_pipe(
     # The unmasked tiles, software-pipelined by hand: the S GEMMs of tile j+1 are issued before
     # the exponentials of tile j, so the tensor cores run while the same warps do the softmax
     # (the last iteration recomputes the final tile once and drops it).
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d1 = tl.arange(0, D1P)
-    offs_d2 = tl.arange(0, D2P)
     if lo < hi:
-        k1 = _load_k(K1, lo, stride_k1n, stride_k1d, offs_n, offs_d1, D1, D1P)
-        k2 = _load_k(K2, lo, stride_k2n, stride_k2d, offs_n, offs_d2, D2, D2P)
+        k1 = load_tile(K1, lo, hi, stride_k1n, stride_k1d, BLOCK_N, D1, D1P, False)
+        k2 = load_tile(K2, lo, hi, stride_k2n, stride_k2d, BLOCK_N, D2, D2P, False)
         s1 = tl.dot(q1, tl.trans(k1), input_precision=PREC)
         s2 = tl.dot(q2, tl.trans(k2), input_precision=PREC)
         for n0 in range(lo, hi, BLOCK_N):
             nn = tl.minimum(n0 + BLOCK_N, hi - BLOCK_N)
-            k1n = _load_k(K1, nn, stride_k1n, stride_k1d, offs_n, offs_d1, D1, D1P)
-            k2n = _load_k(K2, nn, stride_k2n, stride_k2d, offs_n, offs_d2, D2, D2P)
+            k1n = load_tile(K1, nn, hi, stride_k1n, stride_k1d, BLOCK_N, D1, D1P, False)
+            k2n = load_tile(K2, nn, hi, stride_k2n, stride_k2d, BLOCK_N, D2, D2P, False)
             s1n = tl.dot(q1, tl.trans(k1n), input_precision=PREC)
             s2n = tl.dot(q2, tl.trans(k2n), input_precision=PREC)
-            t1 = s1 * c1
-            t2 = s2 * c2
-            m1n = tl.maximum(m1, tl.max(t1, 1))
-            m2n = tl.maximum(m2, tl.max(t2, 1))
-            p1 = tl.math.exp2(t1 - m1n[:, None])
-            if EXP16:
-                # Student weights only feed l2: two exponentials per MUFU op (ex2.approx.f16x2)
-                # take a quarter of the MUFU work off; 16-bit inputs only (docs/triton.md).
-                x2 = (t2 - m2n[:, None]).to(tl.float16)
-                p2 = tl.inline_asm_elementwise(
-                    "ex2.approx.f16x2 $0, $1;", "=r,r", [x2], dtype=tl.float16, is_pure=True, pack=2
-                ).to(tl.float32)
-            else:
-                p2 = tl.math.exp2(t2 - m2n[:, None])
-            a1 = tl.math.exp2(m1 - m1n)
-            a2 = tl.math.exp2(m2 - m2n)
-            l1 = l1 * a1 + tl.sum(p1, 1)
-            l2 = l2 * a2 + tl.sum(p2, 1)
-            acc = acc * a1 + tl.sum(p1 * (t1 - t2), 1)
-            m1 = m1n
-            m2 = m2n
+            m1, l1, m2, l2, acc = _online_step(m1, l1, m2, l2, acc, s1 * c1, s2 * c2, 0, False,
+                                               EXP16)
             s1 = s1n
             s2 = s2n
     return m1, l1, m2, l2, acc
@@ -141,61 +146,15 @@ def _fwd_inner(
     # Streams key tiles [lo, hi). MASKED tiles apply the key bound and the causal frontier
     # (row i sees key j <= i + diag); unmasked tiles are fully visible to every row of the tile.
     offs_n = tl.arange(0, BLOCK_N)
-    offs_d1 = tl.arange(0, D1P)
-    offs_d2 = tl.arange(0, D2P)
     for n0 in range(lo, hi, BLOCK_N):
-        k1_ptrs = (
-            K1
-            + tl.cast(n0, tl.int64) * stride_k1n
-            + (offs_n[:, None] * stride_k1n + offs_d1[None, :] * stride_k1d)
-        )
-        k2_ptrs = (
-            K2
-            + tl.cast(n0, tl.int64) * stride_k2n
-            + (offs_n[:, None] * stride_k2n + offs_d2[None, :] * stride_k2d)
-        )
-        if MASKED:
-            nmask = (n0 + offs_n) < k_len
-            k1 = tl.load(k1_ptrs, mask=nmask[:, None] & (offs_d1[None, :] < D1), other=0.0)
-            k2 = tl.load(k2_ptrs, mask=nmask[:, None] & (offs_d2[None, :] < D2), other=0.0)
-        else:
-            if D1 == D1P:
-                k1 = tl.load(k1_ptrs)
-            else:
-                k1 = tl.load(k1_ptrs, mask=offs_d1[None, :] < D1, other=0.0)
-            if D2 == D2P:
-                k2 = tl.load(k2_ptrs)
-            else:
-                k2 = tl.load(k2_ptrs, mask=offs_d2[None, :] < D2, other=0.0)
+        k1 = load_tile(K1, n0, k_len, stride_k1n, stride_k1d, BLOCK_N, D1, D1P, MASKED)
+        k2 = load_tile(K2, n0, k_len, stride_k2n, stride_k2d, BLOCK_N, D2, D2P, MASKED)
         t1 = tl.dot(q1, tl.trans(k1), input_precision=PREC) * c1  # S1 * log2(e)   [BM, BN]
         t2 = tl.dot(q2, tl.trans(k2), input_precision=PREC) * c2  # S2 * log2(e)   [BM, BN]
+        valid = 0
         if MASKED:
-            cols = n0 + offs_n
-            valid = cols[None, :] < k_len
-            if CAUSAL:
-                valid = valid & (cols[None, :] <= offs_m[:, None] + diag)
-            t1 = tl.where(valid, t1, float("-inf"))
-            t2 = tl.where(valid, t2, float("-inf"))
-        m1n = tl.maximum(m1, tl.max(t1, 1))
-        m2n = tl.maximum(m2, tl.max(t2, 1))
-        if MASKED:  # a row with nothing visible yet keeps m = -inf: subtract 0 instead (no NaN)
-            m1u = tl.where(m1n == float("-inf"), 0.0, m1n)
-            m2u = tl.where(m2n == float("-inf"), 0.0, m2n)
-        else:
-            m1u = m1n
-            m2u = m2n
-        a1 = tl.math.exp2(m1 - m1u)
-        a2 = tl.math.exp2(m2 - m2u)
-        p1 = tl.math.exp2(t1 - m1u[:, None])
-        p2 = tl.math.exp2(t2 - m2u[:, None])
-        d = t1 - t2
-        if MASKED:
-            d = tl.where(valid, d, 0.0)
-        l1 = l1 * a1 + tl.sum(p1, 1)
-        l2 = l2 * a2 + tl.sum(p2, 1)
-        acc = acc * a1 + tl.sum(p1 * d, 1)
-        m1 = m1n
-        m2 = m2n
+            valid = visible(offs_m[:, None], (n0 + offs_n)[None, :], k_len, diag, CAUSAL)
+        m1, l1, m2, l2, acc = _online_step(m1, l1, m2, l2, acc, t1, t2, valid, MASKED, False)
     return m1, l1, m2, l2, acc
 
 
@@ -260,16 +219,7 @@ def _fwd_kernel(
     else:
         split = pid0 * 0
         pid_m = pid0
-    if VARLEN:
-        seq0 = tl.load(CU + z)
-        q_len = tl.load(CU + z + 1) - seq0
-        k_len = q_len
-        b = z * 0
-    else:
-        seq0 = z * 0
-        q_len = NQ
-        k_len = NK
-        b = z
+    b, seq0, q_len, k_len = sequence(CU, z, NQ, NK, VARLEN)
     start_m = pid_m * BLOCK_M
     if start_m >= q_len:
         return
@@ -296,16 +246,7 @@ def _fwd_kernel(
         other=0.0,
     )
 
-    # Key range of this program: [0, hi) stops at the causal frontier of the tile's last row;
-    # tiles below full_end are visible to every row of the tile and run unmasked.
-    if CAUSAL:
-        hi = tl.minimum(k_len, start_m + BLOCK_M + diag)
-        full_end = tl.minimum(k_len, start_m + diag + 1)
-    else:
-        hi = k_len
-        full_end = k_len
-    hi = tl.maximum(hi, 0)
-    full_end = tl.maximum(full_end, 0) // BLOCK_N * BLOCK_N
+    full_end, hi = key_range(start_m, k_len, diag, BLOCK_M, BLOCK_N, CAUSAL)
     lo = 0
     if SPLIT:
         lo = split * split_len
