@@ -24,6 +24,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ._tiles import ds_student, ds_teacher, key_range, load_tile, sequence, visible
+
 
 @triton.jit
 def _row_state(LSE1, LSE2, KLp, G, row, mmask):
@@ -75,48 +77,22 @@ def _bwd_dq_inner(
     PREC: tl.constexpr,
 ):
     offs_n = tl.arange(0, BLOCK_N)
-    offs_d1 = tl.arange(0, D1P)
-    offs_d2 = tl.arange(0, D2P)
     for n0 in range(lo, hi, BLOCK_N):
-        k1_ptrs = (
-            K1
-            + tl.cast(n0, tl.int64) * stride_k1n
-            + (offs_n[:, None] * stride_k1n + offs_d1[None, :] * stride_k1d)
-        )
-        k2_ptrs = (
-            K2
-            + tl.cast(n0, tl.int64) * stride_k2n
-            + (offs_n[:, None] * stride_k2n + offs_d2[None, :] * stride_k2d)
-        )
-        if MASKED:
-            nmask = (n0 + offs_n) < k_len
-            k1 = tl.load(k1_ptrs, mask=nmask[:, None] & (offs_d1[None, :] < D1), other=0.0)
-            k2 = tl.load(k2_ptrs, mask=nmask[:, None] & (offs_d2[None, :] < D2), other=0.0)
-        else:
-            if D1 == D1P:
-                k1 = tl.load(k1_ptrs)
-            else:
-                k1 = tl.load(k1_ptrs, mask=offs_d1[None, :] < D1, other=0.0)
-            if D2 == D2P:
-                k2 = tl.load(k2_ptrs)
-            else:
-                k2 = tl.load(k2_ptrs, mask=offs_d2[None, :] < D2, other=0.0)
+        k1 = load_tile(K1, n0, k_len, stride_k1n, stride_k1d, BLOCK_N, D1, D1P, MASKED)
+        k2 = load_tile(K2, n0, k_len, stride_k2n, stride_k2d, BLOCK_N, D2, D2P, MASKED)
         t1 = tl.dot(q1, tl.trans(k1), input_precision=PREC) * c1
         t2 = tl.dot(q2, tl.trans(k2), input_precision=PREC) * c2
         if MASKED:
-            cols = n0 + offs_n
-            valid = cols[None, :] < k_len
-            if CAUSAL:
-                valid = valid & (cols[None, :] <= offs_m[:, None] + diag)
+            valid = visible(offs_m[:, None], (n0 + offs_n)[None, :], k_len, diag, CAUSAL)
             t1 = tl.where(valid, t1, float("-inf"))
             t2 = tl.where(valid, t2, float("-inf"))
         p1 = tl.math.exp2(t1 - L1[:, None])
         if DQ2:
             p2 = tl.math.exp2(t2 - L2[:, None])
-            ds2 = g[:, None] * (p2 - p1)
+            ds2 = ds_student(g[:, None], p1, p2)
             dq2 += tl.dot(ds2.to(k2.dtype), k2, input_precision=PREC)
         if DQ1:
-            ds1 = g[:, None] * p1 * ((t1 - t2) * 0.6931471805599453 - c[:, None])
+            ds1 = ds_teacher(g[:, None], p1, t1, t2, c[:, None])
             if MASKED:
                 ds1 = tl.where(valid, ds1, 0.0)
             dq1 += tl.dot(ds1.to(k1.dtype), k1, input_precision=PREC)
@@ -177,16 +153,7 @@ def _bwd_dq_kernel(
     pid_m = tl.program_id(0)
     h = tl.program_id(1)
     z = tl.program_id(2)
-    if VARLEN:
-        seq0 = tl.load(CU + z)
-        q_len = tl.load(CU + z + 1) - seq0
-        k_len = q_len
-        b = z * 0
-    else:
-        seq0 = z * 0
-        q_len = NQ
-        k_len = NK
-        b = z
+    b, seq0, q_len, k_len = sequence(CU, z, NQ, NK, VARLEN)
     start_m = pid_m * BLOCK_M
     if start_m >= q_len:
         return
@@ -216,14 +183,8 @@ def _bwd_dq_kernel(
     row = (b64 * H + h) * NQ + seq64 + offs_m
     L1, L2, c, g = _row_state(LSE1, LSE2, KLp, G, row, mmask)
 
-    if CAUSAL:
-        hi = tl.minimum(k_len, start_m + BLOCK_M + diag)
-        full_end = tl.minimum(k_len, start_m + diag + 1)
-    else:
-        hi = k_len
-        full_end = k_len
-    hi = tl.maximum(hi, 0)
-    mid = tl.minimum(tl.maximum(full_end, 0) // BLOCK_N * BLOCK_N, hi)
+    full_end, hi = key_range(start_m, k_len, diag, BLOCK_M, BLOCK_N, CAUSAL)
+    mid = tl.minimum(full_end, hi)
 
     dq1 = tl.zeros([BLOCK_M, D1P], tl.float32)
     dq2 = tl.zeros([BLOCK_M, D2P], tl.float32)
@@ -351,34 +312,20 @@ def _bwd_kv_inner(
     for m0 in range(lo, hi, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
         mmask = offs_m < q_len
-        q1 = tl.load(
-            Q1
-            + tl.cast(m0, tl.int64) * stride_q1n
-            + (tl.arange(0, BLOCK_M)[:, None] * stride_q1n + offs_d1[None, :] * stride_q1d),
-            mask=mmask[:, None] & (offs_d1[None, :] < D1),
-            other=0.0,
-        )
-        q2 = tl.load(
-            Q2
-            + tl.cast(m0, tl.int64) * stride_q2n
-            + (tl.arange(0, BLOCK_M)[:, None] * stride_q2n + offs_d2[None, :] * stride_q2d),
-            mask=mmask[:, None] & (offs_d2[None, :] < D2),
-            other=0.0,
-        )
+        q1 = load_tile(Q1, m0, q_len, stride_q1n, stride_q1d, BLOCK_M, D1, D1P, True)
+        q2 = load_tile(Q2, m0, q_len, stride_q2n, stride_q2d, BLOCK_M, D2, D2P, True)
         row = row0 + offs_m
         L1, L2, c, g = _row_state(LSE1, LSE2, KLp, G, row, mmask)
         t1 = tl.dot(k1, tl.trans(q1), input_precision=PREC) * c1  # [BN, BM]
         t2 = tl.dot(k2, tl.trans(q2), input_precision=PREC) * c2
-        if MASKED:
-            valid = offs_n[:, None] < k_len
-            if CAUSAL:
-                valid = valid & (offs_n[:, None] <= offs_m[None, :] + diag)
+        if MASKED:  # transposed: keys along rows
+            valid = visible(offs_m[None, :], offs_n[:, None], k_len, diag, CAUSAL)
             t1 = tl.where(valid, t1, float("-inf"))
             t2 = tl.where(valid, t2, float("-inf"))
         p1 = tl.math.exp2(t1 - L1[None, :])
         if NEED2:
             p2 = tl.math.exp2(t2 - L2[None, :])
-            ds2 = (g[None, :] * (p2 - p1)).to(q2.dtype)
+            ds2 = ds_student(g[None, :], p1, p2).to(q2.dtype)
             if DK2:
                 dk2 += tl.dot(ds2, q2, input_precision=PREC)
             if FQ2:
@@ -390,7 +337,7 @@ def _bwd_kv_inner(
                     sem="relaxed",
                 )
         if NEED1:
-            ds1 = g[None, :] * p1 * ((t1 - t2) * 0.6931471805599453 - c[None, :])
+            ds1 = ds_teacher(g[None, :], p1, t1, t2, c[None, :])
             if MASKED:
                 ds1 = tl.where(valid, ds1, 0.0)
             ds1 = ds1.to(q1.dtype)
@@ -470,16 +417,7 @@ def _bwd_dk_kernel(
     pid_n = tl.program_id(0)
     hg = tl.program_id(1)
     z = tl.program_id(2)
-    if VARLEN:
-        seq0 = tl.load(CU + z)
-        q_len = tl.load(CU + z + 1) - seq0
-        k_len = q_len
-        b = z * 0
-    else:
-        seq0 = z * 0
-        q_len = NQ
-        k_len = NK
-        b = z
+    b, seq0, q_len, k_len = sequence(CU, z, NQ, NK, VARLEN)
     start_n = pid_n * BLOCK_N
     if start_n >= k_len:
         return
