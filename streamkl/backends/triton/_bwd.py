@@ -170,16 +170,8 @@ def _bwd_dq_kernel(
     offs_d1 = tl.arange(0, D1P)
     offs_d2 = tl.arange(0, D2P)
     mmask = offs_m < q_len
-    q1 = tl.load(
-        Q1 + offs_m[:, None] * sq1n + offs_d1[None, :] * sq1d,
-        mask=mmask[:, None] & (offs_d1[None, :] < D1),
-        other=0.0,
-    )
-    q2 = tl.load(
-        Q2 + offs_m[:, None] * sq2n + offs_d2[None, :] * sq2d,
-        mask=mmask[:, None] & (offs_d2[None, :] < D2),
-        other=0.0,
-    )
+    q1 = load_tile(Q1, start_m, q_len, sq1n, sq1d, BLOCK_M, D1, D1P, True)
+    q2 = load_tile(Q2, start_m, q_len, sq2n, sq2d, BLOCK_M, D2, D2P, True)
     row = (b64 * H + h) * NQ + seq64 + offs_m
     L1, L2, c, g = _row_state(LSE1, LSE2, KLp, G, row, mmask)
 
@@ -449,24 +441,10 @@ def _bwd_dk_kernel(
     for hh in range(0, GG):
         h = hg * GG + hh
         h64 = h.to(tl.int64)
-        k1 = tl.load(
-            K1
-            + b64 * sk1b
-            + (h // G1).to(tl.int64) * sk1h
-            + (seq64 + offs_n[:, None]) * sk1n
-            + offs_d1[None, :] * sk1d,
-            mask=nmask[:, None] & (offs_d1[None, :] < D1),
-            other=0.0,
-        )
-        k2 = tl.load(
-            K2
-            + b64 * sk2b
-            + (h // G2).to(tl.int64) * sk2h
-            + (seq64 + offs_n[:, None]) * sk2n
-            + offs_d2[None, :] * sk2d,
-            mask=nmask[:, None] & (offs_d2[None, :] < D2),
-            other=0.0,
-        )
+        k1b = K1 + b64 * sk1b + (h // G1).to(tl.int64) * sk1h + seq64 * sk1n
+        k2b = K2 + b64 * sk2b + (h // G2).to(tl.int64) * sk2h + seq64 * sk2n
+        k1 = load_tile(k1b, start_n, k_len, sk1n, sk1d, BLOCK_N, D1, D1P, True)
+        k2 = load_tile(k2b, start_n, k_len, sk2n, sk2d, BLOCK_N, D2, D2P, True)
         q1b = Q1 + b64 * sq1b + h64 * sq1h + seq64 * sq1n
         q2b = Q2 + b64 * sq2b + h64 * sq2h + seq64 * sq2n
         row0 = (b64 * H + h) * NQ + seq64

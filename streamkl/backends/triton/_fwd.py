@@ -232,19 +232,9 @@ def _fwd_kernel(
     K2 += b64 * sk2b + (h // G2).to(tl.int64) * sk2h + seq64 * sk2n
 
     offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_d1 = tl.arange(0, D1P)
-    offs_d2 = tl.arange(0, D2P)
     mmask = offs_m < q_len
-    q1 = tl.load(
-        Q1 + offs_m[:, None] * sq1n + offs_d1[None, :] * sq1d,
-        mask=mmask[:, None] & (offs_d1[None, :] < D1),
-        other=0.0,
-    )
-    q2 = tl.load(
-        Q2 + offs_m[:, None] * sq2n + offs_d2[None, :] * sq2d,
-        mask=mmask[:, None] & (offs_d2[None, :] < D2),
-        other=0.0,
-    )
+    q1 = load_tile(Q1, start_m, q_len, sq1n, sq1d, BLOCK_M, D1, D1P, True)
+    q2 = load_tile(Q2, start_m, q_len, sq2n, sq2d, BLOCK_M, D2, D2P, True)
 
     full_end, hi = key_range(start_m, k_len, diag, BLOCK_M, BLOCK_N, CAUSAL)
     lo = 0
