@@ -85,58 +85,19 @@ def forward(q1, k1, q2, k2, *, causal, scale1, scale2, cu_seqlens, max_seqlen):
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
-    if splits == 1:
-        _fwd_kernel[(m_tiles, H, zdim)](
-            q1,
-            k1,
-            q2,
-            k2,
-            kl,
-            lse1,
-            lse2,
-            kl,
-            cu,
-            *_strides(q1, k1, q2, k2),
-            H,
-            NQ,
-            NK,
-            g1,
-            g2,
-            c1,
-            c2,
-            nk,
-            1,
-            SPLIT=False,
-            **common,
-        )
-        return kl, lse1, lse2
-    # Split-K: each split covers a whole number of key tiles.
-    split_len = triton.cdiv(nk_tiles, splits) * cfg.block_n
-    splits = triton.cdiv(nk, split_len)
-    part = torch.empty((5, splits, B, H, NQ), device=dev, dtype=torch.float32)
+    part = kl  # placeholder pointer without split-K (never read)
+    split_len = nk
+    if splits > 1:
+        # Split-K: each split covers a whole number of key tiles.
+        split_len = triton.cdiv(nk_tiles, splits) * cfg.block_n
+        splits = triton.cdiv(nk, split_len)
+        part = torch.empty((5, splits, B, H, NQ), device=dev, dtype=torch.float32)
     _fwd_kernel[(m_tiles * splits, H, zdim)](
-        q1,
-        k1,
-        q2,
-        k2,
-        kl,
-        lse1,
-        lse2,
-        part,
-        cu,
-        *_strides(q1, k1, q2, k2),
-        H,
-        NQ,
-        NK,
-        g1,
-        g2,
-        c1,
-        c2,
-        split_len,
-        splits,
-        SPLIT=True,
-        **common,
+        q1, k1, q2, k2, kl, lse1, lse2, part, cu, *_strides(q1, k1, q2, k2),
+        H, NQ, NK, g1, g2, c1, c2, split_len, splits, SPLIT=splits > 1, **common,
     )
+    if splits == 1:
+        return kl, lse1, lse2
     n_rows = B * H * NQ
     block_r = 128
     _merge_kernel[(triton.cdiv(n_rows, block_r),)](
