@@ -24,9 +24,6 @@ import triton.language as tl
 
 from ._tiles import key_range, load_tile, sequence, visible
 
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
-
 
 @triton.jit
 def _online_step(m1, l1, m2, l2, acc, t1, t2, valid, MASKED: tl.constexpr, EXP16: tl.constexpr):
@@ -62,6 +59,21 @@ def _online_step(m1, l1, m2, l2, acc, t1, t2, valid, MASKED: tl.constexpr, EXP16
     l2 = l2 * a2 + tl.sum(p2, 1)
     acc = acc * a1 + tl.sum(p1 * d, 1)
     return m1n, l1, m2n, l2, acc
+
+
+@triton.jit
+def _store_result(KL, LSE1, LSE2, offs, mask, m1, l1, m2, l2, acc):
+    """The end of the online form: KL, LSE1, LSE2 of rows `offs` from their five scalars
+    (module docstring). A row with l1 = 0 saw no key: KL = 0, LSE = -inf."""
+    seen = l1 > 0.0
+    l1s = tl.where(seen, l1, 1.0)
+    l2s = tl.where(seen, l2, 1.0)
+    kl = (acc / l1s + (m2 - m1) + tl.math.log2(l2s) - tl.math.log2(l1s)) * 0.6931471805599453
+    tl.store(KL + offs, tl.where(seen, kl, 0.0), mask=mask)
+    tl.store(LSE1 + offs, tl.where(seen, (m1 + tl.math.log2(l1s)) * 0.6931471805599453,
+                                   float("-inf")), mask=mask)
+    tl.store(LSE2 + offs, tl.where(seen, (m2 + tl.math.log2(l2s)) * 0.6931471805599453,
+                                   float("-inf")), mask=mask)
 
 
 @triton.jit
@@ -274,21 +286,7 @@ def _fwd_kernel(
         tl.store(base + 3 * stride_part, l2, mask=mmask)
         tl.store(base + 4 * stride_part, acc, mask=mmask)
     else:
-        seen = l1 > 0.0
-        l1s = tl.where(seen, l1, 1.0)
-        l2s = tl.where(seen, l2, 1.0)
-        kl = (acc / l1s + (m2 - m1) + tl.math.log2(l2s) - tl.math.log2(l1s)) * 0.6931471805599453
-        tl.store(KL + row, tl.where(seen, kl, 0.0), mask=mmask)
-        tl.store(
-            LSE1 + row,
-            tl.where(seen, (m1 + tl.math.log2(l1s)) * 0.6931471805599453, float("-inf")),
-            mask=mmask,
-        )
-        tl.store(
-            LSE2 + row,
-            tl.where(seen, (m2 + tl.math.log2(l2s)) * 0.6931471805599453, float("-inf")),
-            mask=mmask,
-        )
+        _store_result(KL, LSE1, LSE2, row, mmask, m1, l1, m2, l2, acc)
 
 
 @triton.jit(do_not_specialize=["ROWS", "n_splits"])
@@ -299,7 +297,7 @@ def _merge_kernel(PART, KL, LSE1, LSE2, ROWS, n_splits, SPLITS_P: tl.constexpr, 
     rmask = offs_r < ROWS
     mask = rmask[None, :] & (offs_s[:, None] < n_splits)
     ptrs = PART + offs_s[:, None].to(tl.int64) * ROWS + offs_r[None, :]
-    sp = ROWS * n_splits  # split-K runs only for small Nq: fits int32
+    sp = ROWS.to(tl.int64) * n_splits  # int64: a forced split count at long Nq passes 2^31
     m1 = tl.load(ptrs, mask=mask, other=float("-inf"))
     l1 = tl.load(ptrs + sp, mask=mask, other=0.0)
     m2 = tl.load(ptrs + 2 * sp, mask=mask, other=float("-inf"))
@@ -314,18 +312,4 @@ def _merge_kernel(PART, KL, LSE1, LSE2, ROWS, n_splits, SPLITS_P: tl.constexpr, 
     L1 = tl.sum(l1 * w1, 0)
     L2 = tl.sum(l2 * w2, 0)
     A = tl.sum(tl.where(w1 > 0.0, acc * w1, 0.0), 0)
-    seen = L1 > 0.0
-    L1s = tl.where(seen, L1, 1.0)
-    L2s = tl.where(seen, L2, 1.0)
-    kl = (A / L1s + (M2u - M1u) + tl.math.log2(L2s) - tl.math.log2(L1s)) * 0.6931471805599453
-    tl.store(KL + offs_r, tl.where(seen, kl, 0.0), mask=rmask)
-    tl.store(
-        LSE1 + offs_r,
-        tl.where(seen, (M1u + tl.math.log2(L1s)) * 0.6931471805599453, float("-inf")),
-        mask=rmask,
-    )
-    tl.store(
-        LSE2 + offs_r,
-        tl.where(seen, (M2u + tl.math.log2(L2s)) * 0.6931471805599453, float("-inf")),
-        mask=rmask,
-    )
+    _store_result(KL, LSE1, LSE2, offs_r, rmask, M1u, L1, M2u, L2, A)
