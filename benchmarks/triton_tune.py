@@ -1,6 +1,6 @@
 """Check and time the triton backend's variants on one GPU, in one run.
 
-    PYTHONPATH=. python3 benchmarks/triton_tune.py [--parts gemm,fwd,split,bwd] [--quick]
+    PYTHONPATH=. python3 benchmarks/triton_tune.py [--parts fwd,ablate,split,bwd]
 
 For every variant: first a correctness check on fresh random data against the float64 dense
 formula (streamkl.testing.dense_attn_kl; forward kl/lse and the needed gradients, SPEC section 6
@@ -204,6 +204,51 @@ def part_fwd(args, gemm):
     apply_variant()
 
 
+ABLATIONS = {0: "shipped", 1: "no tile exp2", 2: "one GEMM (S2 := S1)", 3: "two GEMMs alone"}
+
+
+def part_ablate(args, gemm):
+    """Where the forward's time goes: the shipped config, then the same kernel without the tile
+    exponentials, with one of its two GEMMs, and with nothing but the two GEMMs (Cfg.ablate;
+    wrong results by design, so only the shipped variant is checked). TFLOP/s always count the
+    full forward's FLOPs, so the rows compare as times."""
+    b, h, d = 1, 32, 128
+    plan = [(causal, a) for causal in (False, True) for a in args.ablations]
+
+    def cfg_of(causal, a):
+        c = _config.fwd_cfg(128, 128, torch.bfloat16, causal, 1 << 14, False)
+        return [c.block_m, c.block_n, c.num_warps, c.num_stages, c.pipe, c.exp16, a]
+
+    chk = lambda causal: dict(kind="fwd", causal=causal, nq=1000, nk=1000 if causal else 1111)  # noqa: E731
+    prewarm([(dict(fwd=cfg_of(c, a), split="off"), chk(c)) for c, a in plan], args.workers)
+    for causal, a in plan:
+        apply_variant(fwd=cfg_of(causal, a), split="off")
+        try:
+            err = check(**chk(causal)) if a == 0 else None
+            for n in args.ns:
+                q1, k1, q2, k2 = make_inputs(
+                    b=b, h=h, nq=n, nk=n, d1=d, d2=d, dtype=torch.bfloat16, device="cuda", seed=n
+                )
+                ms = bench(lambda: run_fwd(q1, k1, q2, k2, causal))  # noqa: B023 - timed at once
+                tf = flops("fwd", b, h, n, n, d, causal) / ms / 1e9
+                record(
+                    part="ablate",
+                    variant=f"fwd {'causal' if causal else 'full'} {ABLATIONS[a]}",
+                    shape=f"B{b} H{h} N{n} D{d}",
+                    ms=ms,
+                    tflops=tf,
+                    frac_gemm=tf / gemm,
+                    check=err,
+                    causal=causal,
+                    n=n,
+                    ablate=a,
+                    cfg=cfg_of(causal, a),
+                )
+        except Exception as e:  # noqa: BLE001
+            log(f"ablate {a} causal={causal} FAILED: {type(e).__name__}: {str(e)[:200]}")
+    apply_variant()
+
+
 def part_split(args, gemm):
     b, h, d = 1, 32, 128
     splits = [x if x in ("off", "auto") else int(x) for x in args.splits]
@@ -330,6 +375,7 @@ def main():
             [[64, 64, 8, 2], [32, 64, 4, 2]],
         ],
     )
+    p.add_argument("--ablations", type=int, nargs="+", default=[0, 1, 2, 3])
     p.add_argument("--splits", nargs="+", default=["off", "auto", "2", "4", "8", "16", "32", "64"])
     p.add_argument("--strategies", nargs="+", default=["separate", "fused"])
     p.add_argument("--workers", type=int, default=min(12, os.cpu_count() or 1))
@@ -354,7 +400,7 @@ def main():
     gemm0 = gemm_tflops()
     log(f"gemm bf16 8192^3: {gemm0:.1f} TFLOP/s (start)")
     meta.update(gemm_tflops_start=gemm0)
-    for name, fn in (("fwd", part_fwd), ("split", part_split), ("bwd", part_bwd)):
+    for name, fn in (("fwd", part_fwd), ("ablate", part_ablate), ("split", part_split), ("bwd", part_bwd)):
         if name in parts:
             try:
                 fn(args, gemm0)

@@ -80,7 +80,8 @@ def specializations():
             for split, varlen, pipe in ((False, False, cfg.pipe), (True, False, cfg.pipe),
                                         (False, True, cfg.pipe), (False, False, True)):
                 ce = dict(dims, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal,
-                          VARLEN=varlen, SPLIT=split, PREC=prec, PIPE=pipe, EXP16=False)
+                          VARLEN=varlen, SPLIT=split, PREC=prec, PIPE=pipe, EXP16=False,
+                          ABLATE=0)
                 name = f"fwd-{dtype}-{d1}x{d2}-causal{int(causal)}-split{int(split)}" \
                        f"-varlen{int(varlen)}-pipe{int(pipe)}"
                 out.append((name, _fwd._fwd_kernel, dtype, ce, cfg.num_warps, cfg.num_stages))
@@ -114,6 +115,27 @@ def test_compiles_for_hopper(spec):
     assert compiled.metadata.shared <= SMEM_LIMIT, f"{compiled.metadata.shared} B of shared memory"
     if kernel is not _fwd._merge_kernel and dtype != "fp32":
         assert "wgmma.mma_async" in ptx, "16-bit matrix products must run on wgmma"
+
+
+def _opcode_count(compiled, prefix: str) -> int:
+    return len(re.findall(rf"^\s+{re.escape(prefix)}", compiled.asm["ptx"], re.M))
+
+
+def test_forward_ablations_remove_what_they_say():
+    """Cfg.ablate builds the timing variants of benchmarks/triton_tune.py (docs/triton.md, where
+    the forward's time goes): each must drop exactly its part of the shipped kernel's work."""
+    cfg = _config.fwd_cfg(128, 128, _torch_dtype("bf16"), False, 1 << 14, False)
+    ptx = {}
+    for ablate in (0, 1, 2, 3):
+        ce = dict(_dims(128, 128), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=False,
+                  VARLEN=False, SPLIT=False, PREC="tf32", PIPE=False, EXP16=False, ABLATE=ablate)
+        ptx[ablate] = _compile(_fwd._fwd_kernel, "bf16", ce, cfg.num_warps, cfg.num_stages)
+    mma = {a: _opcode_count(c, "wgmma.mma_async") for a, c in ptx.items()}
+    ex2 = {a: _opcode_count(c, "ex2.approx") for a, c in ptx.items()}
+    assert mma[0] > 0 and ex2[0] > 0
+    assert ex2[1] < ex2[0] / 4, "no tile exponentials: only the per-row rescales remain"
+    assert mma[2] == mma[0] // 2 and ex2[2] == ex2[0], "one GEMM, the same softmax work"
+    assert mma[3] == mma[0] and ex2[3] == 0, "the two GEMMs and nothing else"
 
 
 def instruction_histogram(compiled) -> tuple[str, int]:

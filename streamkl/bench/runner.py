@@ -229,8 +229,12 @@ class Runner:
         return None
 
     def _long_call(self, rec) -> bool:
-        """Known (from a projection of steady-state calls, never from a first call that may hold
-        a compilation) to take at least mem_from_first_call_s."""
+        """Known to take at least mem_from_first_call_s: from a projection of steady-state calls,
+        or from a first call so long (single_shot_s, nothing to project from: the first size of
+        a sweep) that a compilation inside it cannot be what made it long. A second call there
+        would double the device time and, at 1M tokens, meet the memory of the checked first."""
+        if rec.get("projected_s") is None and (rec.get("first_call_s") or 0.0) >= self.cfg.single_shot_s:
+            return True
         return (rec.get("projected_s") or 0.0) >= self.cfg.mem_from_first_call_s
 
     def projected_total(self, call_s: float) -> float:

@@ -22,6 +22,9 @@ class Cfg:
     num_stages: int
     pipe: bool = False  # forward only: hand-pipelined S GEMMs (see _fwd._fwd_inner_pipe)
     exp16: bool = False  # forward only, with pipe, 16-bit inputs: student exponentials in f16x2
+    # forward only, for measuring where the time goes (results are wrong by design; never shipped):
+    # 0 = off, 1 = no tile exponentials, 2 = one GEMM (S2 := S1), 3 = the two GEMMs alone
+    ablate: int = 0
 
 
 def pow2_dim(d: int) -> int:
@@ -120,6 +123,7 @@ def fwd_cfg(d1p: int, d2p: int, dtype: torch.dtype, causal: bool, nq: int, inter
         cfg.num_stages,
         cfg.pipe,
         cfg.exp16 and dtype != torch.float32,
+        cfg.ablate,
     )
 
 

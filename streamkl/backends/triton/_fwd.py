@@ -26,9 +26,15 @@ from ._tiles import key_range, load_tile, sequence, visible
 
 
 @triton.jit
-def _online_step(m1, l1, m2, l2, acc, t1, t2, valid, MASKED: tl.constexpr, EXP16: tl.constexpr):
+def _online_step(
+    m1, l1, m2, l2, acc, t1, t2, valid, MASKED: tl.constexpr, EXP16: tl.constexpr, ABLATE: tl.constexpr = 0
+):
     """One key tile of the online form (module docstring) on log2-scaled logits t1, t2 [BM, BN].
-    MASKED: `valid` marks the pairs seen; the rest enter as t = -inf and weigh nothing."""
+    MASKED: `valid` marks the pairs seen; the rest enter as t = -inf and weigh nothing.
+    ABLATE (timing experiments only, wrong results): 1 drops the tile exponentials, 3 keeps
+    nothing but a sum of each logit tile (so the two GEMMs stay live)."""
+    if ABLATE == 3:
+        return m1, l1 + tl.sum(t1, 1), m2, l2 + tl.sum(t2, 1), acc
     if MASKED:
         t1 = tl.where(valid, t1, float("-inf"))
         t2 = tl.where(valid, t2, float("-inf"))
@@ -42,8 +48,13 @@ def _online_step(m1, l1, m2, l2, acc, t1, t2, valid, MASKED: tl.constexpr, EXP16
         m2u = m2n
     a1 = tl.math.exp2(m1 - m1u)
     a2 = tl.math.exp2(m2 - m2u)
-    p1 = tl.math.exp2(t1 - m1u[:, None])
-    if EXP16:
+    if ABLATE == 1:
+        p1 = t1 - m1u[:, None]
+    else:
+        p1 = tl.math.exp2(t1 - m1u[:, None])
+    if ABLATE == 1:
+        p2 = t2 - m2u[:, None]
+    elif EXP16:
         # Student weights only feed l2: two exponentials per MUFU op (ex2.approx.f16x2) take a
         # quarter of the MUFU work off; 16-bit inputs only (docs/triton.md).
         x2 = (t2 - m2u[:, None]).to(tl.float16)
@@ -154,19 +165,26 @@ def _fwd_inner(
     MASKED: tl.constexpr,
     CAUSAL: tl.constexpr,
     PREC: tl.constexpr,
+    ABLATE: tl.constexpr = 0,
 ):
     # Streams key tiles [lo, hi). MASKED tiles apply the key bound and the causal frontier
     # (row i sees key j <= i + diag); unmasked tiles are fully visible to every row of the tile.
+    # ABLATE == 2 (timing experiment): one GEMM, S2 := S1, k2 never loaded.
     offs_n = tl.arange(0, BLOCK_N)
     for n0 in range(lo, hi, BLOCK_N):
         k1 = load_tile(K1, n0, k_len, stride_k1n, stride_k1d, BLOCK_N, D1, D1P, MASKED)
-        k2 = load_tile(K2, n0, k_len, stride_k2n, stride_k2d, BLOCK_N, D2, D2P, MASKED)
-        t1 = tl.dot(q1, tl.trans(k1), input_precision=PREC) * c1  # S1 * log2(e)   [BM, BN]
-        t2 = tl.dot(q2, tl.trans(k2), input_precision=PREC) * c2  # S2 * log2(e)   [BM, BN]
+        if ABLATE != 2:
+            k2 = load_tile(K2, n0, k_len, stride_k2n, stride_k2d, BLOCK_N, D2, D2P, MASKED)
+        s1 = tl.dot(q1, tl.trans(k1), input_precision=PREC)
+        t1 = s1 * c1  # S1 * log2(e)   [BM, BN]
+        if ABLATE == 2:
+            t2 = s1 * c2
+        else:
+            t2 = tl.dot(q2, tl.trans(k2), input_precision=PREC) * c2  # S2 * log2(e)   [BM, BN]
         valid = 0
         if MASKED:
             valid = visible(offs_m[:, None], (n0 + offs_n)[None, :], k_len, diag, CAUSAL)
-        m1, l1, m2, l2, acc = _online_step(m1, l1, m2, l2, acc, t1, t2, valid, MASKED, False)
+        m1, l1, m2, l2, acc = _online_step(m1, l1, m2, l2, acc, t1, t2, valid, MASKED, False, ABLATE)
     return m1, l1, m2, l2, acc
 
 
@@ -220,6 +238,7 @@ def _fwd_kernel(
     PREC: tl.constexpr,
     PIPE: tl.constexpr,
     EXP16: tl.constexpr,
+    ABLATE: tl.constexpr,
 ):
     # grid: (cdiv(Nq, BLOCK_M) [* n_splits when SPLIT], H, B or num_seqs)
     pid0 = tl.program_id(0)
@@ -268,11 +287,11 @@ def _fwd_kernel(
     else:
         m1, l1, m2, l2, acc = _fwd_inner(
             m1, l1, m2, l2, acc, q1, q2, K1, K2, sk1n, sk1d, sk2n, sk2d, lo, mid, offs_m, k_len,
-            diag, c1, c2, D1, D2, D1P, D2P, BLOCK_N, False, CAUSAL, PREC,
+            diag, c1, c2, D1, D2, D1P, D2P, BLOCK_N, False, CAUSAL, PREC, ABLATE,
         )
     m1, l1, m2, l2, acc = _fwd_inner(
         m1, l1, m2, l2, acc, q1, q2, K1, K2, sk1n, sk1d, sk2n, sk2d, mid, hi, offs_m, k_len, diag,
-        c1, c2, D1, D2, D1P, D2P, BLOCK_N, True, CAUSAL, PREC,
+        c1, c2, D1, D2, D1P, D2P, BLOCK_N, True, CAUSAL, PREC, ABLATE,
     )
 
     row = (b64 * H + h) * NQ + seq64 + offs_m
