@@ -299,11 +299,14 @@ def test_split_rule():
 def test_bwd_rule():
     from streamkl.backends.triton import _launch
 
-    ck = _config.Cfg(64, 128, 8, 2)
+    cq, ck = _config.Cfg(128, 64, 8, 3), _config.Cfg(64, 128, 8, 2)
     one = (False, False, True, True)
-    assert _launch.choose_bwd(1, 32, 1024, 1024, 1, 1, one, ck, 132, False) == "fused"  # 256 programs
-    assert _launch.choose_bwd(1, 32, 4096, 4096, 1, 1, one, ck, 132, False) == "separate"
-    assert _launch.choose_bwd(1, 32, 1024, 1024, 1, 1, (True,) * 4, ck, 132, False) == "separate"
+    assert _launch.choose_bwd(1, 32, 1024, 1024, 1, 1, one, cq, ck, 132) == "fused"  # 256 key programs
+    assert _launch.choose_bwd(1, 32, 4096, 4096, 1, 1, one, cq, ck, 132) == "separate"
+    assert _launch.choose_bwd(1, 32, 256, 32768, 1, 1, one, cq, ck, 132) == "fused"  # 64 dq programs
+    assert _launch.choose_bwd(1, 32, 2048, 32768, 1, 1, one, cq, ck, 132) == "separate"
+    assert _launch.choose_bwd(1, 32, 1024, 1024, 1, 1, (True,) * 4, cq, ck, 132) == "separate"
+    assert _launch.choose_bwd(1, 32, 256, 32768, 1, 1, (True,) * 4, cq, ck, 132) == "separate"
 
 
 # ----------------------------------------------------------------------------------------------

@@ -151,7 +151,7 @@ def backward(
 
     strategy = _env.triton_bwd()
     if strategy == "auto":
-        strategy = choose_bwd(B, H, rows, nk, g1, g2, needs, ck, _num_sms(dev), causal)
+        strategy = choose_bwd(zdim, H, rows, nk, g1, g2, needs, cq, ck, _num_sms(dev))
     fused = strategy == "fused" and (need_dk1 or need_dk2) and (need_dq1 or need_dq2)
 
     # Key-major launches: one per distinct grouping of the key heads. With g1 == g2 a single
@@ -263,9 +263,11 @@ def backward(
     return out
 
 
-def choose_bwd(B, H, rows, nk, g1, g2, needs, ck, num_sms, causal) -> str:
-    """STREAMKL_TRITON_BWD=auto: fused when at most one dq is requested and the key-major grid is
-    at most two waves (B * H/g * cdiv(Nk, BLOCK_N) <= 2 * SMs); separate otherwise.
+def choose_bwd(Z, H, rows, nk, g1, g2, needs, cq, ck, num_sms) -> str:
+    """STREAMKL_TRITON_BWD=auto: separate when both dq1 and dq2 are requested; otherwise fused
+    when the key-major grid is at most two waves (Z * H/g * cdiv(Nk, BLOCK_N) <= 2 * SMs) or the
+    query-major dq grid would not fill one wave (Z * H * cdiv(Nq, BLOCK_M) < SMs), else separate.
+    Z is the grids' third axis: the batch, or the number of packed sequences.
 
     Measured on the H200 (B=1, H=32, D=128, bf16, setting 1, dq (128,64,8,3) + dk (64,128,8,2),
     2026-11-29; docs/triton.md), separate vs fused:
@@ -273,14 +275,19 @@ def choose_bwd(B, H, rows, nk, g1, g2, needs, ck, num_sms, causal) -> str:
       N=1024  (256 programs):      0.169 vs 0.178 ms full, 0.221 vs 0.158 causal -> fused
       N=4096  (1024 programs):     2.23 vs 2.36 ms full, 1.30 vs 1.35 causal     -> separate
       N=16384 (4096 programs):     34.2 vs 37.1 ms full, 16.7 vs 17.3 causal     -> separate
+      Nq=256, Nk=32K (dq grid 64): 1.83 vs 1.47 ms full, 1.83 vs 1.50 causal     -> fused
+      Nq=2K,  Nk=32K (dq grid 512): 8.92 vs 8.83 ms full, 8.53 vs 8.63 causal    -> separate
     With both dq1 and dq2 the fused kernel's two atomic streams cost more than the second pass:
-    0.25 vs 0.37 ms at N=1024 and 51 vs 77 ms at N=16K (first sweep), so separate always.
+    0.25 vs 0.37 ms at N=1024, 51 vs 77 ms at N=16K, 2.55 vs 2.88 ms at Nq=256, Nk=32K.
     """
     if needs[0] and needs[2]:
         return "separate"
     g = min(g1, g2)
-    kv_programs = B * (H // g) * math.ceil(nk / ck.block_n)
-    return "fused" if kv_programs <= FUSED_MAX_WAVES * num_sms else "separate"
+    kv_programs = Z * (H // g) * math.ceil(nk / ck.block_n)
+    dq_programs = Z * H * math.ceil(rows / cq.block_m)
+    if kv_programs <= FUSED_MAX_WAVES * num_sms or dq_programs < num_sms:
+        return "fused"
+    return "separate"
 
 
 FUSED_MAX_WAVES = 2
