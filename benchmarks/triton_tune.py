@@ -1,6 +1,6 @@
 """Check and time the triton backend's variants on one GPU, in one run.
 
-    PYTHONPATH=. python3 benchmarks/triton_tune.py [--parts fwd,ablate,split,bwd]
+    PYTHONPATH=. python3 benchmarks/triton_tune.py [--parts fwd,ablate,ablate_bwd,split,bwd]
 
 For every variant: first a correctness check on fresh random data against the float64 dense
 formula (streamkl.testing.dense_attn_kl; forward kl/lse and the needed gradients, SPEC section 6
@@ -204,7 +204,7 @@ def part_fwd(args, gemm):
     apply_variant()
 
 
-ABLATIONS = {0: "shipped", 1: "no tile exp2", 2: "one GEMM (S2 := S1)", 3: "two GEMMs alone"}
+ABLATIONS = {0: "shipped", 1: "no tile exp2", 2: "one GEMM (S2 := S1)", 3: "GEMMs alone"}
 
 
 def part_ablate(args, gemm):
@@ -246,6 +246,55 @@ def part_ablate(args, gemm):
                 )
         except Exception as e:  # noqa: BLE001
             log(f"ablate {a} causal={causal} FAILED: {type(e).__name__}: {str(e)[:200]}")
+    apply_variant()
+
+
+def part_ablate_bwd(args, gemm):
+    """Where the backward's time goes: the shipped separate strategy (dq kernel + key-major dk
+    kernel), then both kernels without exponentials, with one recomputed logit GEMM (S2 := S1),
+    and with the GEMMs alone (Cfg.ablate; only the shipped variant is checked). TFLOP/s count
+    the full backward (four GEMMs) so the rows compare as times."""
+    b, h, d = 1, 32, 128
+    plan = [(kind, causal, a) for kind in args.bwd_kinds for causal in (False, True)
+            for a in args.ablations]
+
+    def cfgs_of(kind, causal, a):
+        cq, ck = _config.bwd_cfgs(128, 128, torch.bfloat16, causal, False, kind == "bwd12")
+        return ([cq.block_m, cq.block_n, cq.num_warps, cq.num_stages, False, False, a],
+                [ck.block_m, ck.block_n, ck.num_warps, ck.num_stages, False, False, a])
+
+    chk = lambda kind, causal: dict(kind=kind, causal=causal, nq=700, nk=700 if causal else 777)  # noqa: E731
+    prewarm([(dict(bq=cfgs_of(k, c, a)[0], bk=cfgs_of(k, c, a)[1], bwd="separate", split="off"),
+              chk(k, c)) for k, c, a in plan], args.workers)
+    for kind, causal, a in plan:
+        bq, bk = cfgs_of(kind, causal, a)
+        apply_variant(bq=bq, bk=bk, bwd="separate", split="off")
+        try:
+            err = check(**chk(kind, causal)) if a == 0 else None
+            for n in args.bwd_ns:
+                q1, k1, q2, k2 = make_inputs(
+                    b=b, h=h, nq=n, nk=n, d1=d, d2=d, dtype=torch.bfloat16, device="cuda", seed=n
+                )
+                out = run_fwd(q1, k1, q2, k2, causal)
+                g = torch.randn_like(out[0])
+                ms = bench(lambda: run_bwd(g, q1, k1, q2, k2, out, causal, NEEDS[kind]))  # noqa: B023
+                tf = flops(kind, b, h, n, n, d, causal) / ms / 1e9
+                record(
+                    part="ablate_" + kind,
+                    variant=f"{kind} {'causal' if causal else 'full'} {ABLATIONS[a]}",
+                    shape=f"B{b} H{h} N{n} D{d}",
+                    ms=ms,
+                    tflops=tf,
+                    frac_gemm=tf / gemm,
+                    check=err,
+                    causal=causal,
+                    n=n,
+                    ablate=a,
+                    cfg_q=bq,
+                    cfg_k=bk,
+                )
+        except Exception as e:  # noqa: BLE001
+            log(f"ablate {kind} {a} causal={causal} FAILED: {type(e).__name__}: {str(e)[:200]}")
     apply_variant()
 
 
@@ -400,7 +449,13 @@ def main():
     gemm0 = gemm_tflops()
     log(f"gemm bf16 8192^3: {gemm0:.1f} TFLOP/s (start)")
     meta.update(gemm_tflops_start=gemm0)
-    for name, fn in (("fwd", part_fwd), ("ablate", part_ablate), ("split", part_split), ("bwd", part_bwd)):
+    for name, fn in (
+        ("fwd", part_fwd),
+        ("ablate", part_ablate),
+        ("ablate_bwd", part_ablate_bwd),
+        ("split", part_split),
+        ("bwd", part_bwd),
+    ):
         if name in parts:
             try:
                 fn(args, gemm0)

@@ -181,6 +181,19 @@ def test_pipelined_forward(causal, monkeypatch):
     _check(q1, k1, q2, k2, causal=causal, needs=SETTING1)
 
 
+def test_one_gemm_ablation_is_the_teacher_against_itself(monkeypatch):
+    # Cfg.ablate=2 (a timing variant, docs/triton.md) replaces S2 by S1: with equal scales that
+    # is KL(P1 || P1) = 0 exactly, and both LSEs are the true LSE1.
+    q1, k1, q2, k2 = make_inputs(b=1, h=2, nq=40, nk=40, d1=16, d2=16, device=DEVICE, seed=5)
+    kw = dict(causal=True, scale1=0.25, scale2=0.25, cu_seqlens=None, max_seqlen=None)
+    _, lse1, _ = tb.forward(q1, k1, q2, k2, **kw)
+    monkeypatch.setitem(_config.OVERRIDE, "fwd", _config.Cfg(16, 16, 4, 1, ablate=2))
+    kl_a, lse1_a, lse2_a = tb.forward(q1, k1, q2, k2, **kw)
+    assert torch.equal(kl_a, torch.zeros_like(kl_a))
+    assert torch.equal(lse1_a, lse2_a)
+    torch.testing.assert_close(lse1_a, lse1)
+
+
 def test_no_grads_needed():
     q1, k1, q2, k2 = make_inputs(b=1, h=2, nq=8, nk=8, d1=16, d2=16, device=DEVICE)
     kl, lse1, lse2, kw = _run(q1, k1, q2, k2)

@@ -138,6 +138,28 @@ def test_forward_ablations_remove_what_they_say():
     assert mma[3] == mma[0] and ex2[3] == 0, "the two GEMMs and nothing else"
 
 
+def test_backward_ablations_remove_what_they_say():
+    """The same for the backward kernels (setting 1, separate strategy): 1 and 3 leave no
+    exponential, 2 drops the S2 recompute GEMM, 3 keeps every GEMM."""
+    import torch
+
+    cq, ck = _config.bwd_cfgs(128, 128, torch.bfloat16, False, False, False)
+    for kernel, cfg, on in ((_bwd._bwd_dq_kernel, cq, dict(DQ1_ON=False, DQ2_ON=True)),
+                            (_bwd._bwd_dk_kernel, ck, dict(DK1_ON=False, DK2_ON=True, FQ1=False,
+                                                           FQ2=False))):
+        mma, ex2 = {}, {}
+        for ablate in (0, 1, 2, 3):
+            ce = dict(_dims(128, 128), CAUSAL=False, VARLEN=False, PREC="tf32", ABLATE=ablate,
+                      BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **on)
+            compiled = _compile(kernel, "bf16", ce, cfg.num_warps, cfg.num_stages)
+            mma[ablate] = _opcode_count(compiled, "wgmma.mma_async")
+            ex2[ablate] = _opcode_count(compiled, "ex2.approx")
+        assert mma[0] > 0 and ex2[0] > 0
+        assert ex2[1] == 0 and mma[1] == mma[0]
+        assert 0 < mma[2] < mma[0] and ex2[2] == ex2[0]
+        assert ex2[3] == 0 and mma[3] == mma[0]
+
+
 def instruction_histogram(compiled) -> tuple[str, int]:
     """(hash of the sorted opcode counts, instruction count) of the PTX."""
     ops = collections.Counter(m.group(1) for m in

@@ -43,6 +43,16 @@ def _row_state(LSE1, LSE2, KLp, G, row, mmask):
 
 
 @triton.jit
+def _prob(t, L, ABLATE: tl.constexpr):
+    """P = 2^(t - L). ABLATE (timing experiments only, wrong results; Cfg.ablate): 1 drops the
+    exponential, 3 (the GEMMs alone) leaves nothing for P to feed."""
+    if ABLATE == 1 or ABLATE == 3:
+        return t - L
+    else:
+        return tl.math.exp2(t - L)
+
+
+@triton.jit
 def _bwd_dq_inner(
     dq1,
     dq2,
@@ -75,24 +85,34 @@ def _bwd_dq_inner(
     DQ1: tl.constexpr,
     DQ2: tl.constexpr,
     PREC: tl.constexpr,
+    ABLATE: tl.constexpr = 0,
 ):
     offs_n = tl.arange(0, BLOCK_N)
     for n0 in range(lo, hi, BLOCK_N):
         k1 = load_tile(K1, n0, k_len, stride_k1n, stride_k1d, BLOCK_N, D1, D1P, MASKED)
         k2 = load_tile(K2, n0, k_len, stride_k2n, stride_k2d, BLOCK_N, D2, D2P, MASKED)
-        t1 = tl.dot(q1, tl.trans(k1), input_precision=PREC) * c1
-        t2 = tl.dot(q2, tl.trans(k2), input_precision=PREC) * c2
+        s1 = tl.dot(q1, tl.trans(k1), input_precision=PREC)
+        t1 = s1 * c1
+        if ABLATE == 2:
+            t2 = s1 * c2
+        else:
+            t2 = tl.dot(q2, tl.trans(k2), input_precision=PREC) * c2
         if MASKED:
             valid = visible(offs_m[:, None], (n0 + offs_n)[None, :], k_len, diag, CAUSAL)
             t1 = tl.where(valid, t1, float("-inf"))
             t2 = tl.where(valid, t2, float("-inf"))
-        p1 = tl.math.exp2(t1 - L1[:, None])
+        p1 = _prob(t1, L1[:, None], ABLATE)
         if DQ2:
-            p2 = tl.math.exp2(t2 - L2[:, None])
-            ds2 = ds_student(g[:, None], p1, p2)
+            if ABLATE == 3:
+                ds2 = t1 + t2
+            else:
+                ds2 = ds_student(g[:, None], p1, _prob(t2, L2[:, None], ABLATE))
             dq2 += tl.dot(ds2.to(k2.dtype), k2, input_precision=PREC)
         if DQ1:
-            ds1 = ds_teacher(g[:, None], p1, t1, t2, c[:, None])
+            if ABLATE == 3:
+                ds1 = t1 - t2
+            else:
+                ds1 = ds_teacher(g[:, None], p1, t1, t2, c[:, None])
             if MASKED:
                 ds1 = tl.where(valid, ds1, 0.0)
             dq1 += tl.dot(ds1.to(k1.dtype), k1, input_precision=PREC)
@@ -148,8 +168,11 @@ def _bwd_dq_kernel(
     DQ1_ON: tl.constexpr,
     DQ2_ON: tl.constexpr,
     PREC: tl.constexpr,
+    ABLATE: tl.constexpr = 0,
 ):
     # grid: (cdiv(Nq, BLOCK_M), H, B or num_seqs)
+    # ABLATE != 0: timing experiments (Cfg.ablate, docs/triton.md): 1 no exponentials, 2 one
+    # recomputed GEMM (S2 := S1), 3 the GEMMs alone (dS := a sum of the logits).
     pid_m = tl.program_id(0)
     h = tl.program_id(1)
     z = tl.program_id(2)
@@ -182,11 +205,11 @@ def _bwd_dq_kernel(
     dq2 = tl.zeros([BLOCK_M, D2P], tl.float32)
     dq1, dq2 = _bwd_dq_inner(
         dq1, dq2, q1, q2, L1, L2, c, g, K1, K2, sk1n, sk1d, sk2n, sk2d, 0, mid, offs_m, k_len,
-        diag, c1, c2, D1, D2, D1P, D2P, BLOCK_N, False, CAUSAL, DQ1_ON, DQ2_ON, PREC,
+        diag, c1, c2, D1, D2, D1P, D2P, BLOCK_N, False, CAUSAL, DQ1_ON, DQ2_ON, PREC, ABLATE,
     )
     dq1, dq2 = _bwd_dq_inner(
         dq1, dq2, q1, q2, L1, L2, c, g, K1, K2, sk1n, sk1d, sk2n, sk2d, mid, hi, offs_m, k_len,
-        diag, c1, c2, D1, D2, D1P, D2P, BLOCK_N, True, CAUSAL, DQ1_ON, DQ2_ON, PREC,
+        diag, c1, c2, D1, D2, D1P, D2P, BLOCK_N, True, CAUSAL, DQ1_ON, DQ2_ON, PREC, ABLATE,
     )
     if DQ1_ON:
         ptrs = DQ1 + row[:, None] * D1 + offs_d1[None, :]
@@ -239,6 +262,7 @@ def _bwd_kv_inner(
     FQ1: tl.constexpr,
     FQ2: tl.constexpr,
     PREC: tl.constexpr,
+    ABLATE: tl.constexpr = 0,
 ):
     # Walks query tiles [lo, hi) against one key tile; everything here is transposed: [BN, BM].
     offs_d1 = tl.arange(0, D1P)
@@ -250,16 +274,22 @@ def _bwd_kv_inner(
         q2 = load_tile(Q2, m0, q_len, stride_q2n, stride_q2d, BLOCK_M, D2, D2P, True)
         row = row0 + offs_m
         L1, L2, c, g = _row_state(LSE1, LSE2, KLp, G, row, mmask)
-        t1 = tl.dot(k1, tl.trans(q1), input_precision=PREC) * c1  # [BN, BM]
-        t2 = tl.dot(k2, tl.trans(q2), input_precision=PREC) * c2
+        s1 = tl.dot(k1, tl.trans(q1), input_precision=PREC)  # [BN, BM]
+        t1 = s1 * c1
+        if ABLATE == 2:
+            t2 = s1 * c2
+        else:
+            t2 = tl.dot(k2, tl.trans(q2), input_precision=PREC) * c2
         if MASKED:  # transposed: keys along rows
             valid = visible(offs_m[None, :], offs_n[:, None], k_len, diag, CAUSAL)
             t1 = tl.where(valid, t1, float("-inf"))
             t2 = tl.where(valid, t2, float("-inf"))
-        p1 = tl.math.exp2(t1 - L1[None, :])
+        p1 = _prob(t1, L1[None, :], ABLATE)
         if NEED2:
-            p2 = tl.math.exp2(t2 - L2[None, :])
-            ds2 = ds_student(g[None, :], p1, p2).to(q2.dtype)
+            if ABLATE == 3:
+                ds2 = (t1 + t2).to(q2.dtype)
+            else:
+                ds2 = ds_student(g[None, :], p1, _prob(t2, L2[None, :], ABLATE)).to(q2.dtype)
             if DK2:
                 dk2 += tl.dot(ds2, q2, input_precision=PREC)
             if FQ2:
@@ -271,7 +301,10 @@ def _bwd_kv_inner(
                     sem="relaxed",
                 )
         if NEED1:
-            ds1 = ds_teacher(g[None, :], p1, t1, t2, c[None, :])
+            if ABLATE == 3:
+                ds1 = t1 - t2
+            else:
+                ds1 = ds_teacher(g[None, :], p1, t1, t2, c[None, :])
             if MASKED:
                 ds1 = tl.where(valid, ds1, 0.0)
             ds1 = ds1.to(q1.dtype)
@@ -344,7 +377,9 @@ def _bwd_dk_kernel(
     FQ1: tl.constexpr,
     FQ2: tl.constexpr,
     PREC: tl.constexpr,
+    ABLATE: tl.constexpr = 0,
 ):
+    # ABLATE != 0: timing experiments, as in _bwd_dq_kernel.
     # grid: (cdiv(Nk, BLOCK_N), H // GG, B or num_seqs). The program owns one key tile of key
     # group `hg` and walks the GG query heads hg*GG .. hg*GG+GG-1 (GG = g1 when it computes dk1,
     # g2 when dk2, either when g1 == g2), accumulating dk over them in registers.
@@ -393,12 +428,12 @@ def _bwd_dk_kernel(
         dk1, dk2 = _bwd_kv_inner(
             dk1, dk2, k1, k2, q1b, q2b, sq1n, sq1d, sq2n, sq2d, LSE1, LSE2, KLp, G, row0, DQA1,
             DQA2, m_lo, m_full, offs_n, q_len, k_len, diag, c1, c2, scale1, scale2, D1, D2, D1P,
-            D2P, BLOCK_M, True, CAUSAL, NEED1, NEED2, DK1_ON, DK2_ON, FQ1, FQ2, PREC,
+            D2P, BLOCK_M, True, CAUSAL, NEED1, NEED2, DK1_ON, DK2_ON, FQ1, FQ2, PREC, ABLATE,
         )
         dk1, dk2 = _bwd_kv_inner(
             dk1, dk2, k1, k2, q1b, q2b, sq1n, sq1d, sq2n, sq2d, LSE1, LSE2, KLp, G, row0, DQA1,
             DQA2, m_full, q_len, offs_n, q_len, k_len, diag, c1, c2, scale1, scale2, D1, D2, D1P,
-            D2P, BLOCK_M, False, CAUSAL, NEED1, NEED2, DK1_ON, DK2_ON, FQ1, FQ2, PREC,
+            D2P, BLOCK_M, False, CAUSAL, NEED1, NEED2, DK1_ON, DK2_ON, FQ1, FQ2, PREC, ABLATE,
         )
     if DK1_ON:
         hk = hg * GG // G1

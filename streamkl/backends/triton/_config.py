@@ -22,8 +22,8 @@ class Cfg:
     num_stages: int
     pipe: bool = False  # forward only: hand-pipelined S GEMMs (see _fwd._fwd_inner_pipe)
     exp16: bool = False  # forward only, with pipe, 16-bit inputs: student exponentials in f16x2
-    # forward only, for measuring where the time goes (results are wrong by design; never shipped):
-    # 0 = off, 1 = no tile exponentials, 2 = one GEMM (S2 := S1), 3 = the two GEMMs alone
+    # For measuring where the time goes (results wrong by design; never in the tables below):
+    # 0 = off, 1 = no tile exponentials, 2 = one logit GEMM (S2 := S1), 3 = the GEMMs alone
     ablate: int = 0
 
 
