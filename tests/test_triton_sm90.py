@@ -88,7 +88,7 @@ def specializations():
             for both in (False, True):
                 cq, ck = _config.bwd_cfgs(dims["D1P"], dims["D2P"], _torch_dtype(dtype), causal,
                                           False, both)
-                common = dict(dims, CAUSAL=causal, VARLEN=False, PREC=prec)
+                common = dict(dims, CAUSAL=causal, VARLEN=False, PREC=prec, ABLATE=0)
                 on = (True, True) if both else (False, True)
                 out.append((f"dq-{dtype}-{d1}x{d2}-causal{int(causal)}-both{int(both)}",
                             _bwd._bwd_dq_kernel, dtype,
