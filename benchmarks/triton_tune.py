@@ -171,8 +171,44 @@ def record(**row):
     )
 
 
+B, H, D = 1, 32, 128  # the benchmark shape, bf16
+
+
+def _inputs(nq, nk, seed):
+    return make_inputs(b=B, h=H, nq=nq, nk=nk, d1=D, d2=D, dtype=torch.bfloat16, device="cuda", seed=seed)
+
+
+def time_fwd(ns, causal, gemm, **row):
+    """Time the current variant's forward at N = Nq = Nk for each N in ns; record a row each."""
+    for n in ns:
+        q1, k1, q2, k2 = _inputs(n, n, n)
+        ms = bench(lambda: run_fwd(q1, k1, q2, k2, causal))  # noqa: B023 - timed at once
+        tf = flops("fwd", B, H, n, n, D, causal) / ms / 1e9
+        record(shape=f"B{B} H{H} N{n} D{D}", ms=ms, tflops=tf, frac_gemm=tf / gemm, causal=causal, n=n, **row)
+
+
+def time_bwd(ns, kind, causal, gemm, memory=False, **row):
+    """Time the current variant's backward of `kind` at each N in ns; record a row each, with the
+    peak device memory beyond inputs, forward outputs and the gradients when `memory`."""
+    for n in ns:
+        q1, k1, q2, k2 = _inputs(n, n, n)
+        out = run_fwd(q1, k1, q2, k2, causal)
+        g = torch.randn_like(out[0])
+        ms = bench(lambda: run_bwd(g, q1, k1, q2, k2, out, causal, NEEDS[kind]))  # noqa: B023
+        tf = flops(kind, B, H, n, n, D, causal) / ms / 1e9
+        if memory:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            grads = run_bwd(g, q1, k1, q2, k2, out, causal, NEEDS[kind])
+            torch.cuda.synchronize()
+            own = sum(t.numel() * t.element_size() for t in grads if t is not None)
+            row["extra_mem_mb"] = (torch.cuda.max_memory_allocated() - base - own) / 2**20
+            del grads
+        record(shape=f"B{B} H{H} N{n} D{D}", ms=ms, tflops=tf, frac_gemm=tf / gemm, causal=causal, n=n, **row)
+
+
 def part_fwd(args, gemm):
-    b, h, d = 1, 32, 128
     plan = [(causal, cfg) for causal in (False, True) for cfg in args.fwd_cfgs]
     chk = lambda causal: dict(kind="fwd", causal=causal, nq=1000, nk=1000 if causal else 1111)  # noqa: E731
     prewarm([(dict(fwd=cfg, split="off"), chk(causal)) for causal, cfg in plan], args.workers)
@@ -181,24 +217,8 @@ def part_fwd(args, gemm):
         name = "default" if cfg is None else tuple(cfg)
         try:
             err = check(**chk(causal))
-            for n in args.ns:
-                q1, k1, q2, k2 = make_inputs(
-                    b=b, h=h, nq=n, nk=n, d1=d, d2=d, dtype=torch.bfloat16, device="cuda", seed=n
-                )
-                ms = bench(lambda: run_fwd(q1, k1, q2, k2, causal))  # noqa: B023 - timed at once
-                tf = flops("fwd", b, h, n, n, d, causal) / ms / 1e9
-                record(
-                    part="fwd",
-                    variant=f"fwd {'causal' if causal else 'full'} {name}",
-                    shape=f"B{b} H{h} N{n} D{d}",
-                    ms=ms,
-                    tflops=tf,
-                    frac_gemm=tf / gemm,
-                    check=err,
-                    causal=causal,
-                    n=n,
-                    cfg=cfg,
-                )
+            variant = f"fwd {'causal' if causal else 'full'} {name}"
+            time_fwd(args.ns, causal, gemm, part="fwd", variant=variant, check=err, cfg=cfg)
         except Exception as e:  # noqa: BLE001 - a config that fails to compile is a result
             log(f"fwd {cfg} causal={causal} FAILED: {type(e).__name__}: {str(e)[:200]}")
     apply_variant()
@@ -212,7 +232,6 @@ def part_ablate(args, gemm):
     exponentials, with one of its two GEMMs, and with nothing but the two GEMMs (Cfg.ablate;
     wrong results by design, so only the shipped variant is checked). TFLOP/s always count the
     full forward's FLOPs, so the rows compare as times."""
-    b, h, d = 1, 32, 128
     plan = [(causal, a) for causal in (False, True) for a in args.ablations]
 
     def cfg_of(causal, a):
@@ -225,25 +244,17 @@ def part_ablate(args, gemm):
         apply_variant(fwd=cfg_of(causal, a), split="off")
         try:
             err = check(**chk(causal)) if a == 0 else None
-            for n in args.ns:
-                q1, k1, q2, k2 = make_inputs(
-                    b=b, h=h, nq=n, nk=n, d1=d, d2=d, dtype=torch.bfloat16, device="cuda", seed=n
-                )
-                ms = bench(lambda: run_fwd(q1, k1, q2, k2, causal))  # noqa: B023 - timed at once
-                tf = flops("fwd", b, h, n, n, d, causal) / ms / 1e9
-                record(
-                    part="ablate",
-                    variant=f"fwd {'causal' if causal else 'full'} {ABLATIONS[a]}",
-                    shape=f"B{b} H{h} N{n} D{d}",
-                    ms=ms,
-                    tflops=tf,
-                    frac_gemm=tf / gemm,
-                    check=err,
-                    causal=causal,
-                    n=n,
-                    ablate=a,
-                    cfg=cfg_of(causal, a),
-                )
+            variant = f"fwd {'causal' if causal else 'full'} {ABLATIONS[a]}"
+            time_fwd(
+                args.ns,
+                causal,
+                gemm,
+                part="ablate",
+                variant=variant,
+                check=err,
+                ablate=a,
+                cfg=cfg_of(causal, a),
+            )
         except Exception as e:  # noqa: BLE001
             log(f"ablate {a} causal={causal} FAILED: {type(e).__name__}: {str(e)[:200]}")
     apply_variant()
@@ -254,60 +265,54 @@ def part_ablate_bwd(args, gemm):
     kernel), then both kernels without exponentials, with one recomputed logit GEMM (S2 := S1),
     and with the GEMMs alone (Cfg.ablate; only the shipped variant is checked). TFLOP/s count
     the full backward (four GEMMs) so the rows compare as times."""
-    b, h, d = 1, 32, 128
-    plan = [(kind, causal, a) for kind in args.bwd_kinds for causal in (False, True)
-            for a in args.ablations]
+    plan = [(kind, causal, a) for kind in args.bwd_kinds for causal in (False, True) for a in args.ablations]
 
     def cfgs_of(kind, causal, a):
         cq, ck = _config.bwd_cfgs(128, 128, torch.bfloat16, causal, False, kind == "bwd12")
-        return ([cq.block_m, cq.block_n, cq.num_warps, cq.num_stages, False, False, a],
-                [ck.block_m, ck.block_n, ck.num_warps, ck.num_stages, False, False, a])
+        return (
+            [cq.block_m, cq.block_n, cq.num_warps, cq.num_stages, False, False, a],
+            [ck.block_m, ck.block_n, ck.num_warps, ck.num_stages, False, False, a],
+        )
 
     chk = lambda kind, causal: dict(kind=kind, causal=causal, nq=700, nk=700 if causal else 777)  # noqa: E731
-    prewarm([(dict(bq=cfgs_of(k, c, a)[0], bk=cfgs_of(k, c, a)[1], bwd="separate", split="off"),
-              chk(k, c)) for k, c, a in plan], args.workers)
+    prewarm(
+        [
+            (dict(bq=cfgs_of(k, c, a)[0], bk=cfgs_of(k, c, a)[1], bwd="separate", split="off"), chk(k, c))
+            for k, c, a in plan
+        ],
+        args.workers,
+    )
     for kind, causal, a in plan:
         bq, bk = cfgs_of(kind, causal, a)
         apply_variant(bq=bq, bk=bk, bwd="separate", split="off")
         try:
             err = check(**chk(kind, causal)) if a == 0 else None
-            for n in args.bwd_ns:
-                q1, k1, q2, k2 = make_inputs(
-                    b=b, h=h, nq=n, nk=n, d1=d, d2=d, dtype=torch.bfloat16, device="cuda", seed=n
-                )
-                out = run_fwd(q1, k1, q2, k2, causal)
-                g = torch.randn_like(out[0])
-                ms = bench(lambda: run_bwd(g, q1, k1, q2, k2, out, causal, NEEDS[kind]))  # noqa: B023
-                tf = flops(kind, b, h, n, n, d, causal) / ms / 1e9
-                record(
-                    part="ablate_" + kind,
-                    variant=f"{kind} {'causal' if causal else 'full'} {ABLATIONS[a]}",
-                    shape=f"B{b} H{h} N{n} D{d}",
-                    ms=ms,
-                    tflops=tf,
-                    frac_gemm=tf / gemm,
-                    check=err,
-                    causal=causal,
-                    n=n,
-                    ablate=a,
-                    cfg_q=bq,
-                    cfg_k=bk,
-                )
+            variant = f"{kind} {'causal' if causal else 'full'} {ABLATIONS[a]}"
+            time_bwd(
+                args.bwd_ns,
+                kind,
+                causal,
+                gemm,
+                part="ablate_" + kind,
+                variant=variant,
+                check=err,
+                ablate=a,
+                cfg_q=bq,
+                cfg_k=bk,
+            )
         except Exception as e:  # noqa: BLE001
             log(f"ablate {kind} {a} causal={causal} FAILED: {type(e).__name__}: {str(e)[:200]}")
     apply_variant()
 
 
 def part_split(args, gemm):
-    b, h, d = 1, 32, 128
+    b, h, d = B, H, D
     splits = [x if x in ("off", "auto") else int(x) for x in args.splits]
     chk = lambda nq: dict(kind="fwd", causal=False, nq=nq, nk=3000)  # noqa: E731
     prewarm([(dict(split=sp), chk(nq)) for nq in args.split_nqs for sp in ("off", "auto")], args.workers)
     for nk in args.split_nks:
         for nq in args.split_nqs:
-            q1, k1, q2, k2 = make_inputs(
-                b=b, h=h, nq=nq, nk=nk, d1=d, d2=d, dtype=torch.bfloat16, device="cuda", seed=nq
-            )
+            q1, k1, q2, k2 = _inputs(nq, nk, nq)
             for split in splits:
                 apply_variant(split=split)
                 try:
@@ -341,7 +346,6 @@ def part_split(args, gemm):
 
 
 def part_bwd(args, gemm):
-    b, h, d = 1, 32, 128
     plan = [
         (kind, causal, strategy, bq, bk)
         for kind in args.bwd_kinds
@@ -358,39 +362,22 @@ def part_bwd(args, gemm):
         apply_variant(bq=bq, bk=bk, bwd=strategy, split="off")
         try:
             err = check(**chk(kind, causal))
-            for n in args.bwd_ns:
-                q1, k1, q2, k2 = make_inputs(
-                    b=b, h=h, nq=n, nk=n, d1=d, d2=d, dtype=torch.bfloat16, device="cuda", seed=n
-                )
-                out = run_fwd(q1, k1, q2, k2, causal)
-                g = torch.randn_like(out[0])
-                ms = bench(lambda: run_bwd(g, q1, k1, q2, k2, out, causal, NEEDS[kind]))  # noqa: B023
-                tf = flops(kind, b, h, n, n, d, causal) / ms / 1e9
-                # Peak device memory beyond inputs, forward outputs and the gradients themselves.
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-                base = torch.cuda.memory_allocated()
-                grads = run_bwd(g, q1, k1, q2, k2, out, causal, NEEDS[kind])
-                torch.cuda.synchronize()
-                own = sum(t.numel() * t.element_size() for t in grads if t is not None)
-                extra_mb = (torch.cuda.max_memory_allocated() - base - own) / 2**20
-                del grads
-                record(
-                    part=kind,
-                    variant=f"{strategy[:3]} {'causal' if causal else 'full'} "
-                    + ("default" if bq is None else f"q{tuple(bq)} k{tuple(bk)}"),
-                    shape=f"B{b} H{h} N{n} D{d}",
-                    ms=ms,
-                    tflops=tf,
-                    frac_gemm=tf / gemm,
-                    check=err,
-                    causal=causal,
-                    n=n,
-                    strategy=strategy,
-                    cfg_q=bq,
-                    cfg_k=bk,
-                    extra_mem_mb=extra_mb,
-                )
+            variant = f"{strategy[:3]} {'causal' if causal else 'full'} " + (
+                "default" if bq is None else f"q{tuple(bq)} k{tuple(bk)}"
+            )
+            time_bwd(
+                args.bwd_ns,
+                kind,
+                causal,
+                gemm,
+                memory=True,
+                part=kind,
+                variant=variant,
+                check=err,
+                strategy=strategy,
+                cfg_q=bq,
+                cfg_k=bk,
+            )
         except Exception as e:  # noqa: BLE001
             log(f"{kind} {strategy} {bq} {bk} causal={causal} FAILED: {type(e).__name__}: {str(e)[:300]}")
     apply_variant()
