@@ -117,6 +117,7 @@ def test_report_merges_runs(smoke_run, tmp_path):
     out, data = smoke_run
     other = json.loads(json.dumps(data))
     other["meta"]["argv"] = ["python -m streamkl.bench", "--sweep", "long"]
+    other["meta"]["git"] = {"commit": "abc1234", "source": "--commit"}
     other["results"] = [r for r in other["results"] if r["sweep"] == "long"]
     for r in other["results"]:
         r["ms"] = r.get("ms", 1.0) * 2
@@ -128,7 +129,10 @@ def test_report_merges_runs(smoke_run, tmp_path):
     assert len(merged["meta"]["merged_runs"]) == 2
     long_ok = [r for r in merged["results"] if r["sweep"] == "long" and r["status"] == "ok"]
     assert long_ok and all(r in other["results"] for r in long_ok)
-    assert "--sweep long" in (tmp_path / "merged" / "results.md").read_text()
+    md = (tmp_path / "merged" / "results.md").read_text()
+    assert "--sweep long" in md
+    commit_row = next(line for line in md.splitlines() if line.startswith("| commit |"))
+    assert "abc1234" in commit_row, "a merged report names every run's commit"
 
 
 def test_oom_and_errors_are_recorded_and_the_run_goes_on(tmp_path, monkeypatch):

@@ -228,17 +228,31 @@ def _header(data: dict) -> str:
     commit = git.get("commit") or "unknown"
     if git.get("dirty"):
         commit += " (with uncommitted changes)"
+    preset = (f"{cfg.get('preset')} (sweeps {', '.join(cfg.get('sweeps', []))}); "
+              f"time budget {cfg.get('time_budget_s')} s; ran {meta.get('elapsed_s')} s"
+              + ("; **stopped by the hard timeout**" if meta.get("hard_timeout") else ""))
+    merged = meta.get("merged_runs") or []
+    if merged:  # one row per run: its own commit, date and GEMM; the header's are the first run's
+        def _run(m):
+            gem = f", GEMM {_tf(m['gemm_tflops'])} TFLOP/s" if m.get("gemm_tflops") else ""
+            return (f"`{' '.join(m.get('argv') or [])}` (commit `{(m.get('git') or {}).get('commit')}`, "
+                    f"{m.get('time_utc')}{gem})")
+        commits = dict.fromkeys(str((m.get("git") or {}).get("commit")) for m in merged)
+        commit = ", ".join(commits)
+        command = "<br>".join(_run(m) for m in merged)
+        preset = f"{len(merged)} runs merged (python -m streamkl.bench.report); the first: {preset}"
+    else:
+        commit = f"`{commit}`"
+        command = "`" + " ".join(meta.get("argv", [])) + "`"
     rows = [
         ["device", devtxt],
         ["software", f"python {meta.get('python')}, {sw}"],
-        ["commit", f"`{commit}`"],
-        ["date", meta.get("time_utc", "?")],
-        ["command", "<br>".join("`" + " ".join(m.get("argv") or []) + "`"
-                                for m in meta.get("merged_runs", [])) or
-         "`" + " ".join(meta.get("argv", [])) + "`"],
-        ["preset", f"{cfg.get('preset')} (sweeps {', '.join(cfg.get('sweeps', []))}); "
-                   f"time budget {cfg.get('time_budget_s')} s; ran {meta.get('elapsed_s')} s"
-                   + ("; **stopped by the hard timeout**" if meta.get("hard_timeout") else "")],
+        ["commit", commit],
+        ["date", meta.get("time_utc", "?") if not merged else " to ".join(
+            dict.fromkeys([min(m.get("time_utc") or "?" for m in merged),
+                           max(m.get("time_utc") or "?" for m in merged)]))],
+        ["command", command],
+        ["preset", preset],
         ["GEMM yardstick", gemm],
         ["baselines", f"`torch`: streamkl.testing.dense_attn_kl in float32 (TF32 "
                       f"{'on' if cfg.get('tf32') else 'off'}), both Nq x Nk matrices "
