@@ -320,6 +320,8 @@ def test_bwd_rule():
     assert _launch.choose_bwd(1, 32, 2048, 32768, 1, 1, one, cq, ck, 132) == "separate"
     assert _launch.choose_bwd(1, 32, 1024, 1024, 1, 1, (True,) * 4, cq, ck, 132) == "separate"
     assert _launch.choose_bwd(1, 32, 256, 32768, 1, 1, (True,) * 4, cq, ck, 132) == "separate"
+    # Nq >> Nk: a small key grid, but the fp32 dq accumulator would grow with Nq: separate
+    assert _launch.choose_bwd(1, 1, 1 << 20, 4096, 1, 1, one, cq, ck, 132) == "separate"
 
 
 # ----------------------------------------------------------------------------------------------

@@ -267,9 +267,11 @@ def backward(
 
 def choose_bwd(Z, H, rows, nk, g1, g2, needs, cq, ck, num_sms) -> str:
     """STREAMKL_TRITON_BWD=auto: separate when both dq1 and dq2 are requested; otherwise fused
-    when the key-major grid is at most two waves (Z * H/g * cdiv(Nk, BLOCK_N) <= 2 * SMs) or the
-    query-major dq grid would not fill one wave (Z * H * cdiv(Nq, BLOCK_M) < SMs), else separate.
-    Z is the grids' third axis: the batch, or the number of packed sequences.
+    when the query-major dq grid would not fill one wave (Z * H * cdiv(Nq, BLOCK_M) < SMs), or
+    when both the key-major grid (Z * H/g * cdiv(Nk, BLOCK_N)) and the dq grid are at most two
+    waves; else separate. Z is the grids' third axis: the batch, or the number of packed
+    sequences. Either way the fused strategy's fp32 dq accumulator holds at most 2 * SMs *
+    BLOCK_M rows (under 35 MB at D=256), whatever Nq is: extra memory stays bounded.
 
     Measured on the H200 (B=1, H=32, D=128, bf16, setting 1, dq (128,64,8,3) + dk (64,128,8,2),
     2026-11-29; docs/triton.md), separate vs fused:
@@ -287,7 +289,9 @@ def choose_bwd(Z, H, rows, nk, g1, g2, needs, cq, ck, num_sms) -> str:
     g = min(g1, g2)
     kv_programs = Z * (H // g) * math.ceil(nk / ck.block_n)
     dq_programs = Z * H * math.ceil(rows / cq.block_m)
-    if kv_programs <= FUSED_MAX_WAVES * num_sms or dq_programs < num_sms:
+    if dq_programs < num_sms:
+        return "fused"
+    if max(kv_programs, dq_programs) <= FUSED_MAX_WAVES * num_sms:
         return "fused"
     return "separate"
 
