@@ -231,3 +231,22 @@ def test_triton_provider_under_the_interpreter(tmp_path):
         ("decode", "fwd", "split_k=8"), ("decode", "fwd", "split_k=32"),
         ("decode", "fwd", "split_k=auto")}
     assert all(r["check"]["kl_ok"] and r["check"].get("grad_ok", True) for r in results)
+
+
+def test_rel_err_in_chunks_matches_the_dense_formula():
+    """The bench checks 1M-token gradients with streamkl.testing.rel_err: it works in slices so
+    no float64 copy of a whole gradient is made, and must equal the one-shot formula."""
+    from streamkl.testing import rel_err
+
+    gen = torch.Generator().manual_seed(0)
+    ref = torch.randn(2, 3, 257, 16, generator=gen)
+    x = (ref + 1e-2 * torch.randn(ref.shape, generator=gen)).to(torch.bfloat16)
+    x = x.transpose(1, 2).contiguous().transpose(1, 2)  # permuted strides, as (B,N,H,D) inputs
+    dense = ((x.double() - ref.double()).norm() / ref.double().norm()).item()
+    for chunk in (1, 100, 4096, 1 << 24):
+        assert math.isclose(rel_err(x, ref, chunk_elems=chunk), dense, rel_tol=1e-9)
+    assert rel_err(torch.zeros(4), torch.zeros(4)) == 0.0
+    assert rel_err(torch.ones(4), torch.zeros(4)) == 2.0  # ||x|| when the reference is zero
+    assert rel_err(torch.tensor(3.0), torch.tensor(2.0)) == 0.5
+    with pytest.raises(ValueError, match="shapes differ"):
+        rel_err(torch.zeros(3), torch.zeros(4))

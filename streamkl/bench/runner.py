@@ -499,7 +499,7 @@ class Runner:
             if timing.is_oom(exc):
                 timing.free_memory(self.device)
             return
-        from streamkl.testing import grad_tolerance, kl_tolerance
+        from streamkl.testing import grad_tolerance, kl_tolerance, rel_err
 
         dtype = DTYPES[case.dtype]
         kl_rows = kl[..., -rows:].double()
@@ -512,22 +512,15 @@ class Runner:
             gerr = {}
             for i, d, r in zip(idx, grads, rgrads):
                 if i in (0, 2):  # dq: row-local, compare the checked rows
-                    gerr[names[i]] = _rel(d[:, :, -rows:], r)
+                    gerr[names[i]] = rel_err(d[:, :, -rows:], r)
                 elif mask_rows or rows == case.nq:  # dk: exact only when g lives on those rows
-                    gerr[names[i]] = _rel(d, r)
+                    gerr[names[i]] = rel_err(d, r)
             chk["grad_err"] = gerr
             chk["grad_tol"] = grad_tolerance(dtype)
             chk["grad_ok"] = all(v <= chk["grad_tol"] for v in gerr.values())
             if not mask_rows and rows < case.nq:
                 chk["note"] = "single call with a full upstream gradient: dk not checked"
         rec["check"] = chk
-
-
-def _rel(x, ref) -> float:
-    x, ref = x.double(), ref.double()
-    den = ref.norm().item()
-    diff = (x - ref).norm().item()
-    return diff / den if den > 0 else diff
 
 
 def _cycle(items):
