@@ -250,3 +250,20 @@ def test_rel_err_in_chunks_matches_the_dense_formula():
     assert rel_err(torch.tensor(3.0), torch.tensor(2.0)) == 0.5
     with pytest.raises(ValueError, match="shapes differ"):
         rel_err(torch.zeros(3), torch.zeros(4))
+
+
+def test_a_first_call_past_single_shot_is_not_repeated_for_memory(tmp_path):
+    """With nothing to project from (the first size of a sweep), a first call that already took
+    --single-shot-s gives the memory figure itself: at 1M tokens a second 100 s call is waste."""
+    argv = ["--sweep", "n", "--sizes", "32", "--causal", "0", "--settings", "q2k2",
+            "--providers", "streamkl-reference", "--device", "cpu", "--dtype", "float32",
+            "--no-plots", "--repeats", "1"]
+    assert cli.main(argv + ["--single-shot-s", "1e-9", "--out", str(tmp_path / "long")]) == 0
+    assert cli.main(argv + ["--out", str(tmp_path / "short")]) == 0
+    fwd = {}
+    for name in ("long", "short"):
+        data = json.loads((tmp_path / name / "results.json").read_text())
+        fwd[name] = next(r for r in data["results"] if r["mode"] == "fwd")
+        assert fwd[name]["status"] == "ok" and fwd[name]["check"]["kl_ok"]
+    assert fwd["long"].get("mem_from") == "first call"
+    assert "mem_from" not in fwd["short"]  # short calls measure memory on a call of their own
