@@ -9,6 +9,7 @@ run compiled on CUDA, and the `gpu` grid adds bf16/fp16/fp32 at real tile sizes.
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import subprocess
@@ -16,13 +17,14 @@ import sys
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 pytest.importorskip("triton")
 
 from streamkl.backends import triton as tb  # noqa: E402
 from streamkl.backends.triton import _config  # noqa: E402
+from streamkl.bench.timing import env_vars  # noqa: E402
 from streamkl.testing import dense_attn_kl, make_inputs, rel_err  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -236,16 +238,26 @@ def test_random_problems_against_oracle(problem, causal, strategy, split):
     """Forward kl/lse and all four gradients on random problems, each backward strategy and
     split-K setting, against the float64 oracle (fp32 inputs: SPEC section 6's fp32 bars)."""
     q1, k1, q2, k2 = make_inputs(**problem, device=DEVICE)
-    saved = {k: os.environ.get(k) for k in ("STREAMKL_TRITON_BWD", "STREAMKL_TRITON_SPLIT_K")}
-    os.environ.update(STREAMKL_TRITON_BWD=strategy, STREAMKL_TRITON_SPLIT_K=split)
-    try:
+    with env_vars({"STREAMKL_TRITON_BWD": strategy, "STREAMKL_TRITON_SPLIT_K": split}):
         _check(q1, k1, q2, k2, causal=causal, rounding_floor=True)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+
+
+@pytest.mark.skipif(not INTERPRET, reason="on a GPU each random head dim compiles new fp32 kernels; "
+                    "test_gpu_varlen covers the compiled kernels")
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_random_problems(), st.lists(st.integers(0, 20), min_size=1, max_size=4), st.integers(0, 5),
+       st.booleans(), st.sampled_from(["separate", "fused"]))
+def test_random_packed_sequences_against_oracle(problem, lengths, slack, causal, strategy):
+    """Packed varlen: random sequence lengths (empty ones included) and a max_seqlen at or past
+    the longest, forward and all four gradients against the float64 oracle."""
+    total = sum(lengths)
+    assume(total > 0)
+    problem.update(b=1, nq=total, nk=total)
+    q1, k1, q2, k2 = make_inputs(**problem, device=DEVICE)
+    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=DEVICE)
+    with env_vars({"STREAMKL_TRITON_BWD": strategy}):
+        _check(q1, k1, q2, k2, causal=causal, cu_seqlens=cu, max_seqlen=max(lengths) + slack,
+               rounding_floor=True)
 
 
 def test_one_gemm_ablation_is_the_teacher_against_itself(monkeypatch):
