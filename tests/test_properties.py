@@ -8,9 +8,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import streamkl
-from streamkl.testing import assert_kl_close, make_inputs
+from streamkl.testing import assert_kl_close, grad_tolerance, make_inputs
 
-from .oracle import oracle
+from .oracle import oracle, rounding_floor
 
 settings.register_profile("ci", max_examples=200, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])
@@ -98,3 +98,25 @@ def test_no_nan_at_extreme_logits(problem, causal, magnitude):
     assert ((kl.detach().double() - ref).abs() <= 1e-6 * magnitude * ref.abs().clamp_min(1)).all()
     kl.sum().backward()
     assert all(torch.isfinite(t.grad).all() for t in inputs)
+
+
+@given(problems(), st.booleans())
+def test_gradients_agree_with_oracle(problem, causal):
+    """All four gradients of the default backend (reference on CPU) on random problems, against
+    autograd through the float64 oracle: SPEC section 6's bars, plus the rounding floor for
+    gradients that are cancellation residues (one-hot rows)."""
+    dtype = problem["dtype"]
+    inputs = make_inputs(**problem, requires_grad=True)
+    g = torch.randn(inputs[0].shape[:3], generator=torch.Generator().manual_seed(problem["seed"]),
+                    dtype=torch.float64)
+    kl = streamkl.attn_kl(*inputs, causal=causal)
+    kl.backward(g.to(kl.dtype))
+    g = g.to(kl.dtype).double()  # the oracle gets the same upstream gradient
+    _, ref_grads = oracle(*inputs, causal=causal, grad=g)
+    eps = 2.0**-52 if dtype == torch.float64 else 2.0**-23  # the precision the backend computes in
+    floors = rounding_floor(*inputs, g, eps)
+    tol = grad_tolerance(dtype)
+    for t, ref, floor in zip(inputs, ref_grads, floors):
+        assert torch.isfinite(t.grad).all()
+        diff = (t.grad.double() - ref).norm().item()
+        assert diff <= tol * ref.norm().item() + floor, (diff, ref.norm().item(), floor)

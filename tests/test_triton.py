@@ -27,6 +27,8 @@ from streamkl.backends.triton import _config  # noqa: E402
 from streamkl.bench.timing import env_vars  # noqa: E402
 from streamkl.testing import dense_attn_kl, make_inputs, rel_err  # noqa: E402
 
+from .oracle import rounding_floor as oracle_rounding_floor  # noqa: E402
+
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # Triton decorates its own library (tl.zeros, tl.sum, ...) when it is first imported, so the
 # interpreter works only if TRITON_INTERPRET=1 was set before that, which a test module cannot
@@ -84,34 +86,13 @@ def _run(q1, k1, q2, k2, *, causal=False, cu_seqlens=None, max_seqlen=None, need
     return kl, lse1, lse2, kw
 
 
-def _rounding_floor(q1, k1, q2, k2, g):
-    """Absolute gradient error that fp32 rounding alone can leave, per gradient (dq1, dk1, dq2,
-    dk2): dS carries an error of about eps32 * |S| times |g| P (the log-ratio and 2^(t - L) are
-    formed from logits of size |S|, P summing to 1 per row), which dq = scale dS k and
-    dk = scale dS^T q spread at most as scale * eps32 * |S|max * max row norm * ||g||_1. Where the
-    true gradient is itself that small (a one-hot row: the log-ratio equals KL at the argmax, so
-    the exact dS1 there is a cancellation residue ~1e-18), no fp32 method meets a bar relative
-    to it; docs/triton.md, Numerics."""
-    eps, slack = 2.0**-23, 16.0
-    gsum = g.abs().sum().item()
-    out = []
-    for q, k in ((q1, k1), (q2, k2)):
-        qn = q.detach().double().norm(dim=-1).max().item()
-        kn = k.detach().double().norm(dim=-1).max().item()
-        scale = 1 / math.sqrt(q.shape[-1])
-        smax = scale * qn * kn
-        unit = slack * eps * (1.0 + smax) * scale * gsum
-        out += [unit * kn, unit * qn]  # dq spreads over k rows, dk over q rows
-    return out
-
-
 def _check(
     q1, k1, q2, k2, *, causal=False, cu_seqlens=None, max_seqlen=None, needs=ALL, kl_tol=None, grad_tol=None,
     rounding_floor=False,
 ):
     """Forward kl/lse and the needed grads against the oracle; returns the grads.
-    rounding_floor: a gradient may also miss its relative bar by no more than _rounding_floor
-    (for random problems, where hypothesis finds one-hot rows)."""
+    rounding_floor: a gradient may also miss its relative bar by no more than
+    tests.oracle.rounding_floor (for random problems, where hypothesis finds one-hot rows)."""
     dtype = q1.dtype
     kl_tol = kl_tol or {torch.float32: 1e-4}.get(dtype, 2e-3)
     grad_tol = grad_tol or {torch.float32: 1e-3}.get(dtype, 2e-2)
@@ -138,7 +119,7 @@ def _check(
         needs=needs,
         **kw,
     )
-    floors = _rounding_floor(q1, k1, q2, k2, g) if rounding_floor else [0.0] * 4
+    floors = oracle_rounding_floor(q1, k1, q2, k2, g, 2.0**-23) if rounding_floor else [0.0] * 4
     for got, ref, need, inp, floor in zip(grads, rgrads, needs, (q1, k1, q2, k2), floors):
         if not need:
             assert got is None
