@@ -243,13 +243,14 @@ def test_random_packed_sequences_against_oracle(problem, lengths, slack, causal,
 
 def test_one_gemm_ablation_is_the_teacher_against_itself(monkeypatch):
     # Cfg.ablate=2 (a timing variant, docs/triton.md) replaces S2 by S1: with equal scales that
-    # is KL(P1 || P1) = 0 exactly, and both LSEs are the true LSE1.
+    # is KL(P1 || P1) = 0 (up to a rounding, should the compiler contract t1 - t2 into an FMA on
+    # a GPU), and both LSEs are the true LSE1.
     q1, k1, q2, k2 = make_inputs(b=1, h=2, nq=40, nk=40, d1=16, d2=16, device=DEVICE, seed=5)
     kw = dict(causal=True, scale1=0.25, scale2=0.25, cu_seqlens=None, max_seqlen=None)
     _, lse1, _ = tb.forward(q1, k1, q2, k2, **kw)
     monkeypatch.setitem(_config.OVERRIDE, "fwd", _config.Cfg(16, 16, 4, 1, ablate=2))
     kl_a, lse1_a, lse2_a = tb.forward(q1, k1, q2, k2, **kw)
-    assert torch.equal(kl_a, torch.zeros_like(kl_a))
+    assert kl_a.abs().max() <= 1e-6
     assert torch.equal(lse1_a, lse2_a)
     torch.testing.assert_close(lse1_a, lse1)
 
