@@ -33,8 +33,12 @@ MODES = [("fwd", None), ("bwd", "q2k2"), ("fwd+bwd", "q2k2")]
 
 @pytest.fixture(scope="module")
 def runner(tmp_path_factory):
-    return Runner(RunConfig(device=DEVICE, compile_backend="inductor" if ON_GPU else "aot_eager"),
-                  tmp_path_factory.mktemp("bench"), meta={}, config_record={})
+    return Runner(
+        RunConfig(device=DEVICE, compile_backend="inductor" if ON_GPU else "aot_eager"),
+        tmp_path_factory.mktemp("bench"),
+        meta={},
+        config_record={},
+    )
 
 
 def _params():
@@ -42,9 +46,15 @@ def _params():
         for n in SIZES:
             for causal in (False, True):
                 for mode, setting in MODES:
-                    yield pytest.param(prov, n, causal, mode, setting,
-                                       id=f"{prov.name}-N{n}-{'causal' if causal else 'full'}-"
-                                          f"{mode}{'-' + setting if setting else ''}")
+                    yield pytest.param(
+                        prov,
+                        n,
+                        causal,
+                        mode,
+                        setting,
+                        id=f"{prov.name}-N{n}-{'causal' if causal else 'full'}-"
+                        f"{mode}{'-' + setting if setting else ''}",
+                    )
 
 
 @pytest.mark.parametrize("prov,n,causal,mode,setting", list(_params()))
@@ -63,5 +73,13 @@ def test_speed(benchmark, runner, prov, n, causal, mode, setting):
         pytest.skip("out of memory")
     del stats
     mean_s = benchmark.stats.stats.median
-    benchmark.extra_info.update(flops=flops, tflops=flops / mean_s / 1e12, device=DEVICE,
-                                provider=prov.name, n=n, causal=causal, mode=mode, setting=setting)
+    benchmark.extra_info.update(
+        flops=flops,
+        tflops=flops / mean_s / 1e12,
+        device=DEVICE,
+        provider=prov.name,
+        n=n,
+        causal=causal,
+        mode=mode,
+        setting=setting,
+    )

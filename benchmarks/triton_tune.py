@@ -187,15 +187,44 @@ def time_fwd(ns, causal, gemm, **row):
         record(shape=f"B{B} H{H} N{n} D{D}", ms=ms, tflops=tf, frac_gemm=tf / gemm, causal=causal, n=n, **row)
 
 
-def time_bwd(ns, kind, causal, gemm, memory=False, **row):
+def kernel_ms(fn, iters=5) -> dict[str, float]:
+    """Device time per kernel name (ms per call of fn), from torch.profiler over `iters` calls:
+    which of a backward's launches the time goes to."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    out: dict[str, float] = {}
+    for ev in prof.key_averages():
+        us = getattr(ev, "self_device_time_total", None)
+        if us is None:
+            us = getattr(ev, "self_cuda_time_total", 0)
+        if us:
+            out[ev.key[:40]] = out.get(ev.key[:40], 0.0) + us / iters / 1e3
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def time_bwd(ns, kind, causal, gemm, memory=False, per_kernel=False, **row):
     """Time the current variant's backward of `kind` at each N in ns; record a row each, with the
-    peak device memory beyond inputs, forward outputs and the gradients when `memory`."""
+    peak device memory beyond inputs, forward outputs and the gradients when `memory`, and the
+    device time of each launch when `per_kernel`."""
     for n in ns:
         q1, k1, q2, k2 = _inputs(n, n, n)
         out = run_fwd(q1, k1, q2, k2, causal)
         g = torch.randn_like(out[0])
         ms = bench(lambda: run_bwd(g, q1, k1, q2, k2, out, causal, NEEDS[kind]))  # noqa: B023
         tf = flops(kind, B, H, n, n, D, causal) / ms / 1e9
+        if per_kernel:
+            try:
+                row["kernels_ms"] = kernel_ms(lambda: run_bwd(g, q1, k1, q2, k2, out, causal, NEEDS[kind]))  # noqa: B023
+                split = ", ".join(f"{k} {v:.3f} ms" for k, v in row["kernels_ms"].items())
+                log(f"       per kernel: {split}")
+            except Exception as e:  # noqa: BLE001 - a profiler failure must not lose the timing
+                log(f"       per kernel: profiler failed: {type(e).__name__}: {str(e)[:120]}")
         if memory:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
@@ -263,40 +292,54 @@ def part_ablate(args, gemm):
 def part_ablate_bwd(args, gemm):
     """Where the backward's time goes: the shipped separate strategy (dq kernel + key-major dk
     kernel), then both kernels without exponentials, with one recomputed logit GEMM (S2 := S1),
-    and with the GEMMs alone (Cfg.ablate; only the shipped variant is checked). TFLOP/s count
-    the full backward (four GEMMs) so the rows compare as times."""
-    plan = [(kind, causal, a) for kind in args.bwd_kinds for causal in (False, True) for a in args.ablations]
+    and with the GEMMs alone (Cfg.ablate; only the shipped variant is checked); each row also
+    splits its time per kernel (profiler). A last row per (kind, causal) times the fused strategy
+    with the same tiles (4 GEMMs instead of separate's 6, dq by atomics). TFLOP/s count the full
+    backward (four GEMMs) so the rows compare as times."""
+    plan = [
+        (kind, causal, a)
+        for kind in args.bwd_kinds
+        for causal in (False, True)
+        for a in [*args.ablations, "fused"]
+    ]
 
     def cfgs_of(kind, causal, a):
         cq, ck = _config.bwd_cfgs(128, 128, torch.bfloat16, causal, False, kind == "bwd12")
+        a = 0 if a == "fused" else a
         return (
             [cq.block_m, cq.block_n, cq.num_warps, cq.num_stages, False, False, a],
             [ck.block_m, ck.block_n, ck.num_warps, ck.num_stages, False, False, a],
         )
 
+    def strategy_of(a):
+        return "fused" if a == "fused" else "separate"
+
     chk = lambda kind, causal: dict(kind=kind, causal=causal, nq=700, nk=700 if causal else 777)  # noqa: E731
     prewarm(
         [
-            (dict(bq=cfgs_of(k, c, a)[0], bk=cfgs_of(k, c, a)[1], bwd="separate", split="off"), chk(k, c))
+            (dict(bq=cfgs_of(k, c, a)[0], bk=cfgs_of(k, c, a)[1], bwd=strategy_of(a), split="off"), chk(k, c))
             for k, c, a in plan
         ],
         args.workers,
     )
     for kind, causal, a in plan:
         bq, bk = cfgs_of(kind, causal, a)
-        apply_variant(bq=bq, bk=bk, bwd="separate", split="off")
+        apply_variant(bq=bq, bk=bk, bwd=strategy_of(a), split="off")
         try:
-            err = check(**chk(kind, causal)) if a == 0 else None
-            variant = f"{kind} {'causal' if causal else 'full'} {ABLATIONS[a]}"
+            err = check(**chk(kind, causal)) if a in (0, "fused") else None
+            name = "fused strategy, shipped tiles" if a == "fused" else ABLATIONS[a]
+            variant = f"{kind} {'causal' if causal else 'full'} {name}"
             time_bwd(
                 args.bwd_ns,
                 kind,
                 causal,
                 gemm,
+                per_kernel=True,
                 part="ablate_" + kind,
                 variant=variant,
                 check=err,
-                ablate=a,
+                ablate=0 if a == "fused" else a,
+                strategy=strategy_of(a),
                 cfg_q=bq,
                 cfg_k=bk,
             )
