@@ -162,6 +162,50 @@ def check(kind, causal, nq, nk, dtype=torch.bfloat16, d=128, h=4, seed=None):
     return worst
 
 
+_SEEN_KERNELS: set[int] = set()
+_CONSTS = ("BLOCK_M", "BLOCK_N", "QROWS", "ABLATE", "CAUSAL")
+_CONSTS += ("DK1_ON", "DK2_ON", "DQ1_ON", "DQ2_ON", "FQ1", "FQ2")
+
+
+def new_kernel_resources() -> list[dict]:
+    """Registers, spills and shared memory of the backward kernels compiled since the last call,
+    as this GPU's Triton built them (ptxas figures differ between Triton versions, so only the
+    device's count): register pressure is what the key-major kernel's tile layouts trade."""
+    from streamkl.backends.triton import _bwd
+
+    out = []
+    for jit_fn in (_bwd._bwd_dk_kernel, _bwd._bwd_dq_kernel):
+        for entry in list(getattr(jit_fn, "device_caches", {}).values()):
+            for compiled in list(entry[0].values()):
+                if id(compiled) in _SEEN_KERNELS:
+                    continue
+                _SEEN_KERNELS.add(id(compiled))
+                try:
+                    compiled._init_handles()
+                    consts = {}
+                    for key, val in getattr(compiled.src, "constants", {}).items():
+                        idx = key[0] if isinstance(key, tuple) else key
+                        name = jit_fn.arg_names[idx] if isinstance(idx, int) else str(idx)
+                        if name in _CONSTS:
+                            consts[name] = getattr(val, "value", val)
+                    out.append(
+                        dict(
+                            kernel=jit_fn.__name__,
+                            n_regs=compiled.n_regs,
+                            n_spills=compiled.n_spills,
+                            shared=compiled.metadata.shared,
+                            num_warps=compiled.metadata.num_warps,
+                            num_stages=compiled.metadata.num_stages,
+                            **consts,
+                        )
+                    )
+                except Exception as e:  # noqa: BLE001 - diagnostics only
+                    out.append(dict(kernel=jit_fn.__name__, error=f"{type(e).__name__}: {str(e)[:80]}"))
+    for r in out:
+        log("       kernel " + " ".join(f"{k}={v}" for k, v in r.items()))
+    return out
+
+
 def record(**row):
     ROWS.append(row)
     extra = f" err/budget={row['check']:.3f}" if row.get("check") is not None else ""
@@ -208,16 +252,19 @@ def kernel_ms(fn, iters=5) -> dict[str, float]:
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
-def time_bwd(ns, kind, causal, gemm, memory=False, per_kernel=False, **row):
+def time_bwd(ns, kind, causal, gemm, memory=False, per_kernel=False, resources=False, **row):
     """Time the current variant's backward of `kind` at each N in ns; record a row each, with the
     peak device memory beyond inputs, forward outputs and the gradients when `memory`, and the
-    device time of each launch when `per_kernel`."""
+    device time of each launch when `per_kernel`, and the registers and spills of the kernels
+    it compiled when `resources`."""
     for n in ns:
         q1, k1, q2, k2 = _inputs(n, n, n)
         out = run_fwd(q1, k1, q2, k2, causal)
         g = torch.randn_like(out[0])
         ms = bench(lambda: run_bwd(g, q1, k1, q2, k2, out, causal, NEEDS[kind]))  # noqa: B023
         tf = flops(kind, B, H, n, n, D, causal) / ms / 1e9
+        if resources:
+            row["kernels"] = new_kernel_resources()
         if per_kernel:
             try:
                 row["kernels_ms"] = kernel_ms(lambda: run_bwd(g, q1, k1, q2, k2, out, causal, NEEDS[kind]))  # noqa: B023
@@ -406,7 +453,9 @@ def part_bwd(args, gemm):
         try:
             err = check(**chk(kind, causal))
             variant = f"{strategy[:3]} {'causal' if causal else 'full'} " + (
-                "default" if bq is None else f"q{tuple(bq)} k{tuple(bk)}"
+                "default"
+                if bq is None and bk is None
+                else f"q{'=table' if bq is None else tuple(bq)} k{'=table' if bk is None else tuple(bk)}"
             )
             time_bwd(
                 args.bwd_ns,
@@ -414,6 +463,8 @@ def part_bwd(args, gemm):
                 causal,
                 gemm,
                 memory=True,
+                per_kernel=True,
+                resources=True,
                 part=kind,
                 variant=variant,
                 check=err,

@@ -195,6 +195,22 @@ def test_pipelined_forward(causal, monkeypatch):
     _check(q1, k1, q2, k2, causal=causal, needs=SETTING1)
 
 
+@pytest.mark.skipif(not INTERPRET, reason="fp32 kernels at interpreter tiles compile for minutes "
+                    "on a GPU; test_gpu_grid covers the layout the H200 table picks")
+@pytest.mark.parametrize("qrows", [False, True], ids=["keys-x-queries", "queries-x-keys"])
+@pytest.mark.parametrize("strategy", ["separate", "fused"], indirect=True)
+@pytest.mark.parametrize("case", CASES[1:4], ids=lambda c: "-".join(map(str, c)))
+def test_key_major_tile_layouts(case, strategy, qrows, monkeypatch):
+    # Both layouts of the key-major kernel's tiles (Cfg.qrows), all four gradients: dk from dS
+    # in registers or transposed through shared memory, fused dq the other way round.
+    monkeypatch.setitem(_config.OVERRIDE, "bwd_k", _config.Cfg(16, 16, 4, 1, qrows=qrows))
+    b, h, hk1, hk2, nq, nk, d1, d2, causal, layout = case
+    q1, k1, q2, k2 = make_inputs(
+        b=b, h=h, hk1=hk1, hk2=hk2, nq=nq, nk=nk, d1=d1, d2=d2, device=DEVICE, layout=layout, seed=nq + 7
+    )
+    _check(q1, k1, q2, k2, causal=causal)
+
+
 @st.composite
 def _random_problems(draw):
     """Any shape the kernels take: lengths that cross (or not) the 16-row interpreter tiles,

@@ -52,8 +52,15 @@ def _compile(kernel, dtype, constexprs, num_warps, num_stages):
                      "ROWS": "i32", "n_splits": "i32", "SPLITS_P": "constexpr",
                      "BLOCK_R": "constexpr"}
     names = kernel.arg_names
+    # What Triton's launcher specializes on the GPU: 16-byte aligned pointers and integer
+    # arguments divisible by 16 (the row and head strides of contiguous D=128 inputs), except
+    # those in do_not_specialize. Without these hints the tiles cannot be loaded in 16-byte
+    # vectors and the pipeliner leaves them synchronous: not the code the H200 runs.
+    aligned = {name for name, ty in signature.items()
+               if ty.startswith("*") or (ty == "i32" and name[0] == "s" and name[1] in "qk")}
+    attrs = {(names.index(k),): [["tt.divisibility", 16]] for k in aligned}
     source = ASTSource(kernel, signature, {(names.index(k),): v for k, v in fixed.items()
-                                            if k in names})
+                                            if k in names}, attrs)
     return triton.compile(source, target=HOPPER,
                           options=dict(num_warps=num_warps, num_stages=num_stages))
 
@@ -77,14 +84,18 @@ def specializations():
         for causal in (False, True):
             cfg = _config.fwd_cfg(dims["D1P"], dims["D2P"], _torch_dtype(dtype), causal, 1 << 14,
                                   False)
-            for split, varlen, pipe in ((False, False, cfg.pipe), (True, False, cfg.pipe),
-                                        (False, True, cfg.pipe), (False, False, True)):
-                ce = dict(dims, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal,
+            # The last one: the hand-pipelined loop (a timing variant) at the non-causal tile,
+            # where it was timed; at the causal 128 x 128 tile its stages overflow shared memory.
+            pipe_cfg = _config.fwd_cfg(dims["D1P"], dims["D2P"], _torch_dtype(dtype), False,
+                                       1 << 14, False)
+            for split, varlen, pipe, c in ((False, False, cfg.pipe, cfg), (True, False, cfg.pipe, cfg),
+                                           (False, True, cfg.pipe, cfg), (False, False, True, pipe_cfg)):
+                ce = dict(dims, BLOCK_M=c.block_m, BLOCK_N=c.block_n, CAUSAL=causal,
                           VARLEN=varlen, SPLIT=split, PREC=prec, PIPE=pipe, EXP16=False,
                           ABLATE=0)
                 name = f"fwd-{dtype}-{d1}x{d2}-causal{int(causal)}-split{int(split)}" \
                        f"-varlen{int(varlen)}-pipe{int(pipe)}"
-                out.append((name, _fwd._fwd_kernel, dtype, ce, cfg.num_warps, cfg.num_stages))
+                out.append((name, _fwd._fwd_kernel, dtype, ce, c.num_warps, c.num_stages))
             for both in (False, True):
                 cq, ck = _config.bwd_cfgs(dims["D1P"], dims["D2P"], _torch_dtype(dtype), causal,
                                           False, both)
@@ -98,8 +109,18 @@ def specializations():
                     out.append((f"dk-{dtype}-{d1}x{d2}-causal{int(causal)}-both{int(both)}"
                                 f"-fused{int(fused)}", _bwd._bwd_dk_kernel, dtype,
                                 dict(common, BLOCK_M=ck.block_m, BLOCK_N=ck.block_n,
-                                     DK1_ON=on[0], DK2_ON=on[1], FQ1=False, FQ2=fused),
-                                ck.num_warps, ck.num_stages))
+                                     DK1_ON=on[0], DK2_ON=on[1], FQ1=False, FQ2=fused,
+                                     QROWS=ck.qrows), ck.num_warps, ck.num_stages))
+    # The key-major kernel's other tile layout (Cfg.qrows), a timing variant of
+    # benchmarks/triton_tune.py, at the tile shape it was timed with.
+    for qrows, bm, bn in ((True, 128, 64), (False, 64, 128)):
+        ck = _config.bwd_cfgs(128, 128, _torch_dtype("bf16"), False, False, False)[1]
+        if ck.qrows != qrows:
+            out.append((f"dk-bf16-128x128-causal0-both0-fused0-qrows{int(qrows)}",
+                        _bwd._bwd_dk_kernel, "bf16",
+                        dict(_dims(128, 128), CAUSAL=False, VARLEN=False, PREC="tf32", ABLATE=0,
+                             BLOCK_M=bm, BLOCK_N=bn, DK1_ON=False, DK2_ON=True, FQ1=False,
+                             FQ2=False, QROWS=qrows), 8, 2))
     out.append(("merge", _fwd._merge_kernel, "fp32", dict(SPLITS_P=8, BLOCK_R=128), 4, 1))
     return out
 
@@ -151,6 +172,8 @@ def test_backward_ablations_remove_what_they_say():
         for ablate in (0, 1, 2, 3):
             ce = dict(_dims(128, 128), CAUSAL=False, VARLEN=False, PREC="tf32", ABLATE=ablate,
                       BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **on)
+            if kernel is _bwd._bwd_dk_kernel:
+                ce["QROWS"] = cfg.qrows
             compiled = _compile(kernel, "bf16", ce, cfg.num_warps, cfg.num_stages)
             mma[ablate] = _opcode_count(compiled, "wgmma.mma_async")
             ex2[ablate] = _opcode_count(compiled, "ex2.approx")

@@ -262,9 +262,13 @@ def _bwd_kv_inner(
     FQ1: tl.constexpr,
     FQ2: tl.constexpr,
     PREC: tl.constexpr,
+    QROWS: tl.constexpr,
     ABLATE: tl.constexpr = 0,
 ):
-    # Walks query tiles [lo, hi) against one key tile; everything here is transposed: [BN, BM].
+    # Walks query tiles [lo, hi) against one key tile. QROWS lays the tiles out queries x keys
+    # ([BM, BN], as the dq kernel does): the per-query statistics then sit along rows, two
+    # registers per thread each instead of BM / 4, and dk takes dS^T through shared memory.
+    # Otherwise the tiles are keys x queries ([BN, BM]) and dS feeds dk from registers.
     offs_d1 = tl.arange(0, D1P)
     offs_d2 = tl.arange(0, D2P)
     for m0 in range(lo, hi, BLOCK_M):
@@ -274,26 +278,42 @@ def _bwd_kv_inner(
         q2 = load_tile(Q2, m0, q_len, stride_q2n, stride_q2d, BLOCK_M, D2, D2P, True)
         row = row0 + offs_m
         L1, L2, c, g = _row_state(LSE1, LSE2, KLp, G, row, mmask)
-        s1 = tl.dot(k1, tl.trans(q1), input_precision=PREC)  # [BN, BM]
+        if QROWS:
+            s1 = tl.dot(q1, tl.trans(k1), input_precision=PREC)  # [BM, BN]
+            L1b, L2b, cb, gb = L1[:, None], L2[:, None], c[:, None], g[:, None]
+        else:
+            s1 = tl.dot(k1, tl.trans(q1), input_precision=PREC)  # [BN, BM]
+            L1b, L2b, cb, gb = L1[None, :], L2[None, :], c[None, :], g[None, :]
         t1 = s1 * c1
         if ABLATE == 2:
             t2 = s1 * c2
+        elif QROWS:
+            t2 = tl.dot(q2, tl.trans(k2), input_precision=PREC) * c2
         else:
             t2 = tl.dot(k2, tl.trans(q2), input_precision=PREC) * c2
-        if MASKED:  # transposed: keys along rows
-            valid = visible(offs_m[None, :], offs_n[:, None], k_len, diag, CAUSAL)
+        if MASKED:
+            if QROWS:
+                valid = visible(offs_m[:, None], offs_n[None, :], k_len, diag, CAUSAL)
+            else:
+                valid = visible(offs_m[None, :], offs_n[:, None], k_len, diag, CAUSAL)
             t1 = tl.where(valid, t1, float("-inf"))
             t2 = tl.where(valid, t2, float("-inf"))
-        p1 = _prob(t1, L1[None, :], ABLATE)
+        p1 = _prob(t1, L1b, ABLATE)
         if NEED2:
             if ABLATE == 3:
                 ds2 = (t1 + t2).to(q2.dtype)
             else:
-                ds2 = ds_student(g[None, :], p1, _prob(t2, L2[None, :], ABLATE)).to(q2.dtype)
+                ds2 = ds_student(gb, p1, _prob(t2, L2b, ABLATE)).to(q2.dtype)
             if DK2:
-                dk2 += tl.dot(ds2, q2, input_precision=PREC)
+                if QROWS:
+                    dk2 += tl.dot(tl.trans(ds2), q2, input_precision=PREC)
+                else:
+                    dk2 += tl.dot(ds2, q2, input_precision=PREC)
             if FQ2:
-                part = tl.dot(tl.trans(ds2), k2, input_precision=PREC) * scale2
+                if QROWS:
+                    part = tl.dot(ds2, k2, input_precision=PREC) * scale2
+                else:
+                    part = tl.dot(tl.trans(ds2), k2, input_precision=PREC) * scale2
                 tl.atomic_add(
                     DQA2 + row[:, None] * D2 + offs_d2[None, :],
                     part,
@@ -304,14 +324,20 @@ def _bwd_kv_inner(
             if ABLATE == 3:
                 ds1 = t1 - t2
             else:
-                ds1 = ds_teacher(g[None, :], p1, t1, t2, c[None, :])
+                ds1 = ds_teacher(gb, p1, t1, t2, cb)
             if MASKED:
                 ds1 = tl.where(valid, ds1, 0.0)
             ds1 = ds1.to(q1.dtype)
             if DK1:
-                dk1 += tl.dot(ds1, q1, input_precision=PREC)
+                if QROWS:
+                    dk1 += tl.dot(tl.trans(ds1), q1, input_precision=PREC)
+                else:
+                    dk1 += tl.dot(ds1, q1, input_precision=PREC)
             if FQ1:
-                part = tl.dot(tl.trans(ds1), k1, input_precision=PREC) * scale1
+                if QROWS:
+                    part = tl.dot(ds1, k1, input_precision=PREC) * scale1
+                else:
+                    part = tl.dot(tl.trans(ds1), k1, input_precision=PREC) * scale1
                 tl.atomic_add(
                     DQA1 + row[:, None] * D1 + offs_d1[None, :],
                     part,
@@ -377,6 +403,7 @@ def _bwd_dk_kernel(
     FQ1: tl.constexpr,
     FQ2: tl.constexpr,
     PREC: tl.constexpr,
+    QROWS: tl.constexpr = False,
     ABLATE: tl.constexpr = 0,
 ):
     # ABLATE != 0: timing experiments, as in _bwd_dq_kernel.
@@ -428,12 +455,12 @@ def _bwd_dk_kernel(
         dk1, dk2 = _bwd_kv_inner(
             dk1, dk2, k1, k2, q1b, q2b, sq1n, sq1d, sq2n, sq2d, LSE1, LSE2, KLp, G, row0, DQA1,
             DQA2, m_lo, m_full, offs_n, q_len, k_len, diag, c1, c2, scale1, scale2, D1, D2, D1P,
-            D2P, BLOCK_M, True, CAUSAL, NEED1, NEED2, DK1_ON, DK2_ON, FQ1, FQ2, PREC, ABLATE,
+            D2P, BLOCK_M, True, CAUSAL, NEED1, NEED2, DK1_ON, DK2_ON, FQ1, FQ2, PREC, QROWS, ABLATE,
         )
         dk1, dk2 = _bwd_kv_inner(
             dk1, dk2, k1, k2, q1b, q2b, sq1n, sq1d, sq2n, sq2d, LSE1, LSE2, KLp, G, row0, DQA1,
             DQA2, m_full, q_len, offs_n, q_len, k_len, diag, c1, c2, scale1, scale2, D1, D2, D1P,
-            D2P, BLOCK_M, False, CAUSAL, NEED1, NEED2, DK1_ON, DK2_ON, FQ1, FQ2, PREC, ABLATE,
+            D2P, BLOCK_M, False, CAUSAL, NEED1, NEED2, DK1_ON, DK2_ON, FQ1, FQ2, PREC, QROWS, ABLATE,
         )
     if DK1_ON:
         hk = hg * GG // G1

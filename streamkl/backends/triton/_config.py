@@ -25,6 +25,9 @@ class Cfg:
     # For measuring where the time goes (results wrong by design; never in the tables below):
     # 0 = off, 1 = no tile exponentials, 2 = one logit GEMM (S2 := S1), 3 = the GEMMs alone
     ablate: int = 0
+    # Backward key-major kernel only: tiles laid out queries x keys (per-query statistics along
+    # rows; dS^T reaches the dk GEMM through shared memory) instead of keys x queries.
+    qrows: bool = False
 
 
 def pow2_dim(d: int) -> int:

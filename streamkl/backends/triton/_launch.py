@@ -220,6 +220,7 @@ def backward(
             DK2_ON=do2,
             FQ1=f1,
             FQ2=f2,
+            QROWS=ck.qrows,
             ABLATE=ck.ablate,
             num_warps=ck.num_warps,
             num_stages=ck.num_stages,
