@@ -355,7 +355,7 @@ def part_ablate_bwd(args, gemm):
         a = 0 if a == "fused" else a
         return (
             [cq.block_m, cq.block_n, cq.num_warps, cq.num_stages, False, False, a],
-            [ck.block_m, ck.block_n, ck.num_warps, ck.num_stages, False, False, a],
+            [ck.block_m, ck.block_n, ck.num_warps, ck.num_stages, False, False, a, ck.qrows],
         )
 
     def strategy_of(a):

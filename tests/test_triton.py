@@ -413,6 +413,7 @@ GPU_CASES = [
     (1, 4, 4, 1, 1000, 200, 128, 128, True, "bhnd", 1.0),  # Nq > Nk: 800 rows see nothing
     (2, 4, 2, 2, 513, 777, 256, 32, False, "bnhd", 1.0),
     (1, 4, 4, 4, 200, 300, 128, 128, True, "bhnd", 10.0),  # logits ~1e3-1e4
+    (1, 4, 2, 2, 600, 500, 64, 40, True, "bnhd", 1.0),  # the D <= 64 configs; Nq > Nk
 ]
 
 

@@ -67,9 +67,14 @@ _FWD = {
     (256, True, True): Cfg(32, 32, 4, 1),
 }
 # Backward, query-major (dq) and key-major (dk / fused): (bucket, is fp32, both settings) -> Cfg.
-# D <= 128 16-bit, one setting: dq (128, 64, 8, 3) + dk (64, 128, 8, 2) measured best on the H200
-# (257 / 263 TFLOP/s non-causal / causal at N=16K, vs 234 / 231 for dq (128, 64, 8, 2) + dk
-# (32, 128, 8, 2)); both settings keep the smaller dk tile (32, 128), which does not spill there.
+# D <= 128 16-bit: the key-major kernel lays its tiles out queries x keys (qrows) at (64, 64) with
+# 4 warps, two programs per SM. Measured on the H200 (B=1, H=32, D=128, bf16, N=16K, separate,
+# 2026-11-29, commit 4cc3f30; docs/triton.md), TFLOP/s non-causal / causal, against the keys x
+# queries layout shipped before, dk (64, 128, 8, 2) [(32, 128, 8, 2) with both settings]:
+#   setting 1: 332 / 331 vs 247 / 255;  setting 2: 325 / 320 vs 234 / 243;
+#   both: 335 / 339 vs 261 / 269.  qrows (128, 64, 8, 2): 310 / 295; qrows (64, 128, 8, 2): 210.
+# The key-major kernel alone, setting 1 non-causal: 15.1 ms against 24.5 ms (the dq kernel: 11 ms).
+# The D <= 64 rows follow the D = 128 measurement; dq keeps (128, 64, 8, 3) / (128, 64, 8, 2).
 _BWD_Q = {
     (64, False, False): Cfg(128, 64, 8, 2),
     (64, False, True): Cfg(128, 64, 8, 2),
@@ -85,10 +90,10 @@ _BWD_Q = {
     (256, True, True): Cfg(32, 16, 4, 1),
 }
 _BWD_K = {
-    (64, False, False): Cfg(64, 128, 8, 2),
-    (64, False, True): Cfg(32, 128, 8, 2),
-    (128, False, False): Cfg(64, 128, 8, 2),
-    (128, False, True): Cfg(32, 128, 8, 2),
+    (64, False, False): Cfg(64, 64, 4, 2, qrows=True),
+    (64, False, True): Cfg(64, 64, 4, 2, qrows=True),
+    (128, False, False): Cfg(64, 64, 4, 2, qrows=True),
+    (128, False, True): Cfg(64, 64, 4, 2, qrows=True),
     (256, False, False): Cfg(32, 64, 4, 1),
     (256, False, True): Cfg(32, 64, 4, 1),
     (64, True, False): Cfg(32, 64, 4, 1),
@@ -103,6 +108,7 @@ _BWD_K = {
 OVERRIDE: dict[str, Cfg | None] = {"fwd": None, "bwd_q": None, "bwd_k": None}
 
 INTERPRET_CFG = Cfg(16, 16, 4, 1)  # tiny tiles, so the CPU tests cross tile boundaries
+INTERPRET_BWD_K_CFG = Cfg(16, 16, 4, 1, qrows=True)  # the layout the GPU table picks
 
 
 def _key(d1p: int, d2p: int, dtype: torch.dtype) -> tuple[int, bool]:
@@ -135,7 +141,7 @@ def bwd_cfgs(
 ) -> tuple[Cfg, Cfg]:
     """(dq kernel, key-major kernel) configs; `both`: gradients of both settings requested."""
     if interpret:
-        q, k = INTERPRET_CFG, INTERPRET_CFG
+        q, k = INTERPRET_CFG, INTERPRET_BWD_K_CFG
     else:
         key = (*_key(d1p, d2p, dtype), bool(both))
         q, k = _BWD_Q[key], _BWD_K[key]
