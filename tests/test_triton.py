@@ -389,14 +389,17 @@ def test_split_rule():
 def test_bwd_rule():
     from streamkl.backends.triton import _launch
 
-    cq, ck = _config.Cfg(128, 64, 8, 3), _config.Cfg(64, 128, 8, 2)
+    cq, ck = _config.bwd_cfgs(128, 128, torch.bfloat16, False, False)  # the H200 table
+    assert (cq.block_m, ck.block_n) == (128, 64)
     one = (False, False, True, True)
-    assert _launch.choose_bwd(1, 32, 1024, 1024, 1, 1, one, cq, ck, 132) == "fused"  # 256 key programs
-    assert _launch.choose_bwd(1, 32, 4096, 4096, 1, 1, one, cq, ck, 132) == "separate"
-    assert _launch.choose_bwd(1, 32, 256, 32768, 1, 1, one, cq, ck, 132) == "fused"  # 64 dq programs
+    assert _launch.choose_bwd(1, 32, 256, 256, 1, 1, one, cq, ck, 132) == "fused"  # 128 + 64 programs
+    assert _launch.choose_bwd(1, 32, 1024, 1024, 1, 1, one, cq, ck, 132) == "separate"  # 512 key programs
+    assert _launch.choose_bwd(1, 32, 256, 32768, 1, 1, one, cq, ck, 132) == "separate"  # 64 dq programs
     assert _launch.choose_bwd(1, 32, 2048, 32768, 1, 1, one, cq, ck, 132) == "separate"
-    assert _launch.choose_bwd(1, 32, 1024, 1024, 1, 1, (True,) * 4, cq, ck, 132) == "separate"
-    assert _launch.choose_bwd(1, 32, 256, 32768, 1, 1, (True,) * 4, cq, ck, 132) == "separate"
+    assert _launch.choose_bwd(1, 32, 256, 256, 1, 1, (True,) * 4, cq, ck, 132) == "separate"
+    # GQA: the key grid counts key-head groups; packed sequences count as the batch
+    assert _launch.choose_bwd(1, 32, 512, 512, 4, 4, one, cq, ck, 132) == "fused"  # 64 + 128
+    assert _launch.choose_bwd(8, 32, 256, 256, 1, 1, one, cq, ck, 132) == "separate"
     # Nq >> Nk: a small key grid, but the fp32 dq accumulator would grow with Nq: separate
     assert _launch.choose_bwd(1, 1, 1 << 20, 4096, 1, 1, one, cq, ck, 132) == "separate"
 

@@ -547,6 +547,8 @@ def _one_line(rec: dict) -> str:
         memtxt = f" mem+{mem / 2**20:.1f}MiB" if mem is not None else ""
         chk = rec.get("check") or {}
         err = f" err={chk['kl_err']:.1e}" if "kl_err" in chk else ""
+        if chk.get("grad_err"):
+            err += f" grad_err={max(chk['grad_err'].values()):.1e}"
         bad = " CHECK-FAILED" if (chk.get("kl_ok") is False or chk.get("grad_ok") is False) else ""
         return (f"[{rec['sweep']}] {shape} {prov} {what}: {rec['ms']:.4g} ms "
                 f"{rec.get('tflops', 0):.1f} TFLOP/s{memtxt}{err}{bad}")

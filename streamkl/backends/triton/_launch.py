@@ -267,34 +267,34 @@ def backward(
 
 
 def choose_bwd(Z, H, rows, nk, g1, g2, needs, cq, ck, num_sms) -> str:
-    """STREAMKL_TRITON_BWD=auto: separate when both dq1 and dq2 are requested; otherwise fused
-    when the query-major dq grid would not fill one wave (Z * H * cdiv(Nq, BLOCK_M) < SMs), or
-    when both the key-major grid (Z * H/g * cdiv(Nk, BLOCK_N)) and the dq grid are at most two
-    waves; else separate. Z is the grids' third axis: the batch, or the number of packed
-    sequences. Either way the fused strategy's fp32 dq accumulator holds at most 2 * SMs *
-    BLOCK_M rows (under 35 MB at D=256), whatever Nq is: extra memory stays bounded.
+    """STREAMKL_TRITON_BWD=auto: fused only when one setting's dq is requested and both grids of
+    the separate strategy fit in one wave (Z * H/g * cdiv(Nk, BLOCK_N) and Z * H * cdiv(Nq,
+    BLOCK_M) at most the SM count): there its two launches run one after the other on a part of
+    the GPU each. Otherwise separate. Z is the grids' third axis: the batch, or the number of
+    packed sequences. The fused fp32 dq accumulator then holds at most SMs * BLOCK_M rows.
 
-    Measured on the H200 (B=1, H=32, D=128, bf16, setting 1, dq (128,64,8,3) + dk (64,128,8,2),
-    2026-11-29; docs/triton.md), separate vs fused:
-      N=256   (64 key programs):   0.132 vs 0.061 ms full, 0.201 vs 0.068 causal -> fused
-      N=1024  (256 programs):      0.169 vs 0.178 ms full, 0.221 vs 0.158 causal -> fused
-      N=4096  (1024 programs):     2.23 vs 2.36 ms full, 1.30 vs 1.35 causal     -> separate
-      N=16384 (4096 programs):     34.2 vs 37.1 ms full, 16.7 vs 17.3 causal     -> separate
-      Nq=256, Nk=32K (dq grid 64): 1.83 vs 1.47 ms full, 1.83 vs 1.50 causal     -> fused
-      Nq=2K,  Nk=32K (dq grid 512): 8.92 vs 8.83 ms full, 8.53 vs 8.63 causal    -> separate
-    With both dq1 and dq2 the fused kernel's two atomic streams cost more than the second pass:
-    0.25 vs 0.37 ms at N=1024, 51 vs 77 ms at N=16K, 2.55 vs 2.88 ms at Nq=256, Nk=32K.
+    Measured on the H200 with the shipped tiles (B=1, H=32, D=128, bf16, setting 1, 2026-11-29,
+    commit 902b6aa; docs/triton.md), separate vs fused, ms, non-causal / causal:
+      N=1024:               0.136 vs 0.237 / 0.121 vs 0.162
+      N=4096:               1.73 vs 2.77 / 0.99 vs 1.48
+      N=8192:               6.69 vs 10.4 / 3.50 vs 5.32
+      N=32768:              106 vs 180 / 53.5 vs 84.3
+      Nq=256, Nk=32K:       1.47 vs 2.05 / 1.56 vs 2.13 (dq grid 64, key grid 16384)
+      Nq=2K, Nk=32K:        6.68 vs 10.6 / 6.63 vs 10.4
+    (N=2048 read 1.04 vs 0.81 non-causal but 0.79 vs 0.96 causal: windows too short to rank.)
+    Since the key-major kernel moved to (64, 64) tiles in two programs per SM, its atomics cost
+    more than the second pass everywhere it was measured. Both dq: 5-7x slower fused.
+    The one-wave case was measured before that change only (N=256: 0.132 vs 0.061 ms, 0.201 vs
+    0.068 causal), when both strategies' grids left most SMs idle.
     """
     if needs[0] and needs[2]:
         return "separate"
     g = min(g1, g2)
     kv_programs = Z * (H // g) * math.ceil(nk / ck.block_n)
     dq_programs = Z * H * math.ceil(rows / cq.block_m)
-    if dq_programs < num_sms:
-        return "fused"
     if max(kv_programs, dq_programs) <= FUSED_MAX_WAVES * num_sms:
         return "fused"
     return "separate"
 
 
-FUSED_MAX_WAVES = 2
+FUSED_MAX_WAVES = 1
