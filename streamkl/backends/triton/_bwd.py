@@ -15,7 +15,7 @@ Two strategies:
   * separate: `_bwd_dq_kernel` (a program per query tile walks the key tiles, dq in registers)
     plus `_bwd_dk_kernel` (a program per key tile walks every query head of its key-head group
     and the query tiles, dk in registers).
-  * fused: `_bwd_dk_kernel` with FUSE_DQ1/FUSE_DQ2, which also adds each pair's dq share into an
+  * fused: `_bwd_dk_kernel` with FQ1/FQ2, which also adds each pair's dq share into an
     fp32 buffer with atomics, so every (query tile, key tile) pair is recomputed once.
 """
 
@@ -409,7 +409,10 @@ def _bwd_dk_kernel(
     # ABLATE != 0: timing experiments, as in _bwd_dq_kernel.
     # grid: (cdiv(Nk, BLOCK_N), H // GG, B or num_seqs). The program owns one key tile of key
     # group `hg` and walks the GG query heads hg*GG .. hg*GG+GG-1 (GG = g1 when it computes dk1,
-    # g2 when dk2, either when g1 == g2), accumulating dk over them in registers.
+    # g2 when dk2, either when g1 == g2), accumulating dk over them in registers. Tiles: the
+    # [BLOCK_N, D] key tiles stay put, [BLOCK_M, D] query tiles stream; logits are formed as
+    # [BLOCK_M, BLOCK_N] with QROWS, else [BLOCK_N, BLOCK_M]. Reads q, k, lse1/lse2, kl, grad;
+    # writes dk1/dk2, and with FQ1/FQ2 adds dq into the fp32 DQA buffers (atomics).
     pid_n = tl.program_id(0)
     hg = tl.program_id(1)
     z = tl.program_id(2)
