@@ -135,6 +135,20 @@ def test_report_merges_runs(smoke_run, tmp_path):
     assert "abc1234" in commit_row, "a merged report names every run's commit"
 
 
+def test_report_merge_keeps_a_measurement_over_a_later_skip(smoke_run, tmp_path):
+    out, data = smoke_run
+    later = json.loads(json.dumps(data))
+    measured = [r for r in later["results"] if r["status"] == "ok"]
+    for r in measured:
+        r.update(status="skipped", reason="time budget of 1 s spent")
+        r.pop("ms", None)
+    (tmp_path / "later.json").write_text(json.dumps(later))
+    assert report.main([str(out / "results.json"), str(tmp_path / "later.json"),
+                        "--out", str(tmp_path / "merged"), "--no-plots"]) == 0
+    merged = json.loads((tmp_path / "merged" / "results.json").read_text())
+    assert sum(r["status"] == "ok" for r in merged["results"]) == len(measured) > 0
+
+
 def test_oom_and_errors_are_recorded_and_the_run_goes_on(tmp_path, monkeypatch):
     real_dense = providers.dense_fp32
 

@@ -682,7 +682,8 @@ def _style(ax, title, xlabel, ylabel):
 def merge(runs: list[dict]) -> dict:
     """One result set from several runs on the same device: the first run's header, every
     run's measurements (a later run's record replaces an earlier one of the same key), and
-    each run's command, commit and date under meta.merged_runs."""
+    each run's command, commit and date under meta.merged_runs. A later run's skip (out of its
+    time budget) is not a measurement: it does not replace an earlier record."""
     if len(runs) == 1:
         return runs[0]
     data = json.loads(json.dumps(runs[0]))
@@ -694,6 +695,8 @@ def merge(runs: list[dict]) -> dict:
         for r in run.get("results", []):
             key = (r["sweep"], r.get("case_key"), r["provider"], r.get("variant"), r["mode"],
                    r.get("setting"))
+            if r.get("status") == "skipped" and key in merged:
+                continue
             merged[key] = r
     data["results"] = list(merged.values())
     data["meta"]["merged_runs"] = [
