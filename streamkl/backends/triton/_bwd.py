@@ -53,6 +53,24 @@ def _prob(t, L, ABLATE: tl.constexpr):
 
 
 @triton.jit
+def _keys_by_queries(ds, QROWS: tl.constexpr):
+    """A dS tile of the key-major kernel as keys x queries: the A operand of dk += dS^T q."""
+    if QROWS:
+        return tl.trans(ds)
+    else:
+        return ds
+
+
+@triton.jit
+def _queries_by_keys(ds, QROWS: tl.constexpr):
+    """The same tile as queries x keys: the A operand of the fused dq share dS k."""
+    if QROWS:
+        return ds
+    else:
+        return tl.trans(ds)
+
+
+@triton.jit
 def _bwd_dq_inner(
     dq1,
     dq2,
@@ -305,15 +323,9 @@ def _bwd_kv_inner(
             else:
                 ds2 = ds_student(gb, p1, _prob(t2, L2b, ABLATE)).to(q2.dtype)
             if DK2:
-                if QROWS:
-                    dk2 += tl.dot(tl.trans(ds2), q2, input_precision=PREC)
-                else:
-                    dk2 += tl.dot(ds2, q2, input_precision=PREC)
+                dk2 += tl.dot(_keys_by_queries(ds2, QROWS), q2, input_precision=PREC)
             if FQ2:
-                if QROWS:
-                    part = tl.dot(ds2, k2, input_precision=PREC) * scale2
-                else:
-                    part = tl.dot(tl.trans(ds2), k2, input_precision=PREC) * scale2
+                part = tl.dot(_queries_by_keys(ds2, QROWS), k2, input_precision=PREC) * scale2
                 tl.atomic_add(
                     DQA2 + row[:, None] * D2 + offs_d2[None, :],
                     part,
@@ -329,15 +341,9 @@ def _bwd_kv_inner(
                 ds1 = tl.where(valid, ds1, 0.0)
             ds1 = ds1.to(q1.dtype)
             if DK1:
-                if QROWS:
-                    dk1 += tl.dot(tl.trans(ds1), q1, input_precision=PREC)
-                else:
-                    dk1 += tl.dot(ds1, q1, input_precision=PREC)
+                dk1 += tl.dot(_keys_by_queries(ds1, QROWS), q1, input_precision=PREC)
             if FQ1:
-                if QROWS:
-                    part = tl.dot(ds1, k1, input_precision=PREC) * scale1
-                else:
-                    part = tl.dot(tl.trans(ds1), k1, input_precision=PREC) * scale1
+                part = tl.dot(_queries_by_keys(ds1, QROWS), k1, input_precision=PREC) * scale1
                 tl.atomic_add(
                     DQA1 + row[:, None] * D1 + offs_d1[None, :],
                     part,
