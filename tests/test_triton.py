@@ -485,3 +485,31 @@ def test_through_the_op(causal):
         torch.testing.assert_close(out, ref_out, rtol=1e-4, atol=1e-5)
         for g, r in zip(grads, ref_grads):
             assert rel_err(g.cpu(), r.cpu()) <= 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_through_the_op(causal):
+    """The registered op on bf16 CUDA tensors at the H200 table's tiles, eager and under
+    torch.compile(fullgraph=True): forward and all four gradients against the float64 oracle
+    (test_through_the_op runs fp32 at interpreter sizes, which `-m gpu` leaves out)."""
+    import streamkl
+    from streamkl.testing import assert_kl_close, grad_tolerance
+
+    inputs = make_inputs(b=2, h=8, hk1=4, hk2=2, nq=300, nk=520, d1=128, d2=64, dtype=torch.bfloat16,
+                         device="cuda", layout="bnhd", seed=21)
+    rkl, _, _, g, rgrads = _oracle(*inputs, causal, None, grad_seed=4)
+
+    def kl_of(*t):
+        return streamkl.attn_kl(*t, causal=causal, backend="triton")
+
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        leaves = [t.detach().clone().requires_grad_() for t in inputs]
+        kl = (torch.compile(kl_of, fullgraph=True) if compiled else kl_of)(*leaves)
+        assert kl.dtype == torch.float32 and kl.shape == inputs[0].shape[:3]
+        assert_kl_close(kl.detach(), rkl, torch.bfloat16)
+        kl.backward(g.to(device="cuda", dtype=kl.dtype))
+        for leaf, ref in zip(leaves, rgrads):
+            assert leaf.grad.dtype == torch.bfloat16 and leaf.grad.shape == leaf.shape
+            assert rel_err(leaf.grad.cpu(), ref) <= grad_tolerance(torch.bfloat16)
