@@ -163,8 +163,10 @@ def check(kind, causal, nq, nk, dtype=torch.bfloat16, d=128, h=4, seed=None):
 
 
 _SEEN_KERNELS: set[int] = set()
-_CONSTS = ("BLOCK_M", "BLOCK_N", "QROWS", "ABLATE", "CAUSAL")
-_CONSTS += ("DK1_ON", "DK2_ON", "DQ1_ON", "DQ2_ON", "FQ1", "FQ2")
+_CONSTS = (
+    *("BLOCK_M", "BLOCK_N", "QROWS", "ABLATE", "CAUSAL"),
+    *("DK1_ON", "DK2_ON", "DQ1_ON", "DQ2_ON", "FQ1", "FQ2"),
+)  # the constexprs a resource row names
 
 
 def new_kernel_resources() -> list[dict]:
