@@ -113,12 +113,10 @@ def specializations():
                                      QROWS=ck.qrows), ck.num_warps, ck.num_stages))
     # The key-major kernel's other tile layout (Cfg.qrows), a timing variant of
     # benchmarks/triton_tune.py, at the tile shape it was timed with.
-    for qrows, bm, bn in ((True, 128, 64), (False, 64, 128)):
-        ck = _config.bwd_cfgs(128, 128, _torch_dtype("bf16"), False, False, False)[1]
-        if ck.qrows != qrows:
-            out.append((f"dk-bf16-128x128-causal0-both0-fused0-qrows{int(qrows)}",
-                        _bwd._bwd_dk_kernel, "bf16",
-                        dict(_dims(128, 128), CAUSAL=False, VARLEN=False, PREC="tf32", ABLATE=0,
+    qrows = not _config.bwd_cfgs(128, 128, _torch_dtype("bf16"), False, False, False)[1].qrows
+    bm, bn = (128, 64) if qrows else (64, 128)
+    out.append((f"dk-bf16-128x128-causal0-both0-fused0-qrows{int(qrows)}", _bwd._bwd_dk_kernel,
+                "bf16", dict(_dims(128, 128), CAUSAL=False, VARLEN=False, PREC="tf32", ABLATE=0,
                              BLOCK_M=bm, BLOCK_N=bn, DK1_ON=False, DK2_ON=True, FQ1=False,
                              FQ2=False, QROWS=qrows), 8, 2))
     out.append(("merge", _fwd._merge_kernel, "fp32", dict(SPLITS_P=8, BLOCK_R=128), 4, 1))
