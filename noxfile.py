@@ -15,8 +15,7 @@ def tests(session):
     """The CPU suite: reference, op, compile, errors, hypothesis, triton interpreter, bench smoke."""
     session.install(TORCH_CPU)
     session.install("-e", ".[test,triton,bench]")
-    session.run("pytest", "-q", *session.posargs,
-                env={"HYPOTHESIS_PROFILE": "ci", "PYTHONUNBUFFERED": "1"})
+    session.run("pytest", "-q", *session.posargs, env={"HYPOTHESIS_PROFILE": "ci", "PYTHONUNBUFFERED": "1"})
 
 
 @nox.session(venv_params=["--system-site-packages"])
@@ -37,7 +36,9 @@ def bench(session):
 @nox.session
 def lint(session):
     session.install("ruff")
-    session.run("ruff", "check", "streamkl", "tests", "benchmarks", "noxfile.py")
+    paths = ("streamkl", "tests", "benchmarks", "noxfile.py")
+    session.run("ruff", "check", *paths)
+    session.run("ruff", "format", "--check", *paths)
 
 
 @nox.session
@@ -45,7 +46,10 @@ def import_minimal(session):
     """Importing streamkl and running the reference needs torch alone."""
     session.install(TORCH_CPU)
     session.install("--no-deps", "-e", ".")
-    session.run("python", "-c",
-                "import torch, streamkl; q = torch.randn(1, 2, 8, 16); "
-                "print(streamkl.attn_kl(q, q, q.flip(2), q)); "
-                "print(streamkl.available_backends(q, q, q, q))")
+    session.run(
+        "python",
+        "-c",
+        "import torch, streamkl; q = torch.randn(1, 2, 8, 16); "
+        "print(streamkl.attn_kl(q, q, q.flip(2), q)); "
+        "print(streamkl.available_backends(q, q, q, q))",
+    )

@@ -15,14 +15,14 @@ from . import _checks, _dispatch
 from .bench.timing import PeakMemory, TimingConfig, bench, tensor_bytes, wall
 from .testing import cpu_peak_bytes, kl_tolerance, make_inputs
 
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
-           "fp64": torch.float64}
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
 
 
 def _parse(argv):
     gpu = torch.cuda.is_available()
-    p = argparse.ArgumentParser(prog="python -m streamkl", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m streamkl", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--heads", type=int, default=32 if gpu else 8)
     p.add_argument("--heads-kv", type=int, default=None, help="key heads of both pairs (GQA)")
@@ -32,16 +32,19 @@ def _parse(argv):
     p.add_argument("--dim2", type=int, default=None, help="D2, if different from --dim")
     p.add_argument("--dtype", choices=list(_DTYPES), default="bf16" if gpu else "fp32")
     p.add_argument("--causal", action="store_true")
-    p.add_argument("--backend", action="append", choices=["reference", "triton", "cuda"],
-                   help="backends to run (repeatable; default: every one that can)")
+    p.add_argument(
+        "--backend",
+        action="append",
+        choices=["reference", "triton", "cuda"],
+        help="backends to run (repeatable; default: every one that can)",
+    )
     p.add_argument("--device", default="cuda" if gpu else "cpu")
     return p.parse_args(argv)
 
 
 def _row(name, module, inputs, args, ref):
     q1, k1, q2, k2 = inputs
-    kw = dict(causal=args.causal, scale1=args.scale1, scale2=args.scale2, cu_seqlens=None,
-              max_seqlen=None)
+    kw = dict(causal=args.causal, scale1=args.scale1, scale2=args.scale2, cu_seqlens=None, max_seqlen=None)
     device = q1.device
 
     def fwd():
@@ -69,8 +72,14 @@ def _row(name, module, inputs, args, ref):
     else:
         extra = max(cpu_peak_bytes(fwd_bwd) - kept, 0)
     ok = err <= kl_tolerance(q1.dtype)
-    return [name, f"{err:.2e}", "ok" if ok else "FAIL", f"{fwd_ms:.2f}", f"{fwd_bwd_ms:.2f}",
-            f"{extra / 2**20:.1f}"], ok
+    return [
+        name,
+        f"{err:.2e}",
+        "ok" if ok else "FAIL",
+        f"{fwd_ms:.2f}",
+        f"{fwd_bwd_ms:.2f}",
+        f"{extra / 2**20:.1f}",
+    ], ok
 
 
 def main(argv=None) -> int:
@@ -79,19 +88,32 @@ def main(argv=None) -> int:
     dtype = _DTYPES[args.dtype]
     hk = args.heads_kv or args.heads
     nk = args.nk or args.seqlen
-    inputs = make_inputs(b=args.batch, h=args.heads, nq=args.seqlen, nk=nk, d1=args.dim,
-                         d2=args.dim2 or args.dim, hk1=hk, hk2=hk, dtype=dtype, device=device)
+    inputs = make_inputs(
+        b=args.batch,
+        h=args.heads,
+        nq=args.seqlen,
+        nk=nk,
+        d1=args.dim,
+        d2=args.dim2 or args.dim,
+        hk1=hk,
+        hk2=hk,
+        dtype=dtype,
+        device=device,
+    )
     _checks.check_inputs(*inputs)
     args.scale1 = _checks.resolve_scale(None, args.dim, "scale1")
     args.scale2 = _checks.resolve_scale(None, args.dim2 or args.dim, "scale2")
-    problem = (f"B={args.batch} H={args.heads} Hkv={hk} Nq={args.seqlen} Nk={nk} D1={args.dim} "
-               f"D2={args.dim2 or args.dim} {args.dtype} causal={args.causal} on {device}"
-               + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""))
+    problem = (
+        f"B={args.batch} H={args.heads} Hkv={hk} Nq={args.seqlen} Nk={nk} D1={args.dim} "
+        f"D2={args.dim2 or args.dim} {args.dtype} causal={args.causal} on {device}"
+        + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else "")
+    )
     print(f"streamkl: KL(softmax(S1) || softmax(S2)) per row, {problem}")
 
     reference = _dispatch._module("reference")
-    ref = reference.forward(*(t.double() for t in inputs), causal=args.causal,
-                            scale1=args.scale1, scale2=args.scale2)[0]
+    ref = reference.forward(
+        *(t.double() for t in inputs), causal=args.causal, scale1=args.scale1, scale2=args.scale2
+    )[0]
     available = _dispatch.available_backends(*inputs)
     names = args.backend or list(available)
     rows, all_ok = [], True

@@ -41,14 +41,16 @@ def check_inputs(q1, k1, q2, k2, cu_seqlens=None, max_seqlen=None) -> Problem:
             layout = "(B, H, Nq, D)" if name.startswith("q") else "(B, H_kv, Nk, D)"
             raise ValueError(f"{name} must be 4-D {layout}, got shape {tuple(t.shape)}")
         if t.dtype not in _DTYPES:
-            raise TypeError(f"{name} has dtype {t.dtype}; expected one of float16, bfloat16, "
-                            "float32, float64")
+            raise TypeError(
+                f"{name} has dtype {t.dtype}; expected one of float16, bfloat16, float32, float64"
+            )
     for q_name, k_name, q, k in (("q1", "k1", q1, k1), ("q2", "k2", q2, k2)):
         if q.dtype != k.dtype:
             raise TypeError(f"{q_name} and {k_name} must share a dtype, got {q.dtype} and {k.dtype}")
         if q.shape[-1] != k.shape[-1]:
-            raise ValueError(f"{q_name} and {k_name} must share the head dim, got {q.shape[-1]} "
-                             f"and {k.shape[-1]}")
+            raise ValueError(
+                f"{q_name} and {k_name} must share the head dim, got {q.shape[-1]} and {k.shape[-1]}"
+            )
         if q.shape[-1] == 0:
             raise ValueError(f"{q_name} has head dim 0; expected at least 1")
     devices = {t.device for t in tensors}
@@ -82,15 +84,19 @@ def _check_cu_seqlens_meta(cu_seqlens, b, nq, nk, device) -> None:
     if cu_seqlens.dtype != torch.int32:
         raise TypeError(f"cu_seqlens must be int32, got {cu_seqlens.dtype}")
     if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
-        raise ValueError("cu_seqlens must be 1-D (num_seqs + 1,) with at least 2 entries, got "
-                         f"shape {tuple(cu_seqlens.shape)}")
+        raise ValueError(
+            "cu_seqlens must be 1-D (num_seqs + 1,) with at least 2 entries, got "
+            f"shape {tuple(cu_seqlens.shape)}"
+        )
     if cu_seqlens.device != device:
         raise ValueError(f"cu_seqlens is on {cu_seqlens.device}; expected {device} like q1")
     if b != 1:
         raise ValueError(f"packed sequences (cu_seqlens) need batch 1, got B = {b}")
     if nq != nk:
-        raise ValueError(f"packed sequences share offsets between queries and keys, so Nq must "
-                         f"equal Nk; got Nq = {nq}, Nk = {nk}")
+        raise ValueError(
+            f"packed sequences share offsets between queries and keys, so Nq must "
+            f"equal Nk; got Nq = {nq}, Nk = {nk}"
+        )
 
 
 def check_cu_seqlens_values(cu_seqlens, total: int) -> int:
@@ -111,8 +117,7 @@ def check_call(q1, k1, q2, k2, *, scale1, scale2, reduction, cu_seqlens, max_seq
     """Everything checkable from metadata for one public call: (problem, scale1, scale2)."""
     check_reduction(reduction)
     problem = check_inputs(q1, k1, q2, k2, cu_seqlens, max_seqlen)
-    return (problem, resolve_scale(scale1, problem.d1, "scale1"),
-            resolve_scale(scale2, problem.d2, "scale2"))
+    return (problem, resolve_scale(scale1, problem.d1, "scale1"), resolve_scale(scale2, problem.d2, "scale2"))
 
 
 def resolve_scale(scale, head_dim: int, name: str) -> float:

@@ -41,8 +41,7 @@ def select(q1, k1, q2, k2, cu_seqlens=None, backend: str | None = None):
     elif backend in _env.BACKENDS:
         name = backend
     else:
-        raise ValueError(f"backend={backend!r} is not a backend; expected one of "
-                         f"{', '.join(_env.BACKENDS)}")
+        raise ValueError(f"backend={backend!r} is not a backend; expected one of {', '.join(_env.BACKENDS)}")
     if name == "auto":
         if q1.device.type == "cpu":  # triton runs CPU tensors only in its (slow) interpreter
             return _module("reference")
@@ -53,6 +52,7 @@ def select(q1, k1, q2, k2, cu_seqlens=None, backend: str | None = None):
     reason = why_not(name, q1, k1, q2, k2, cu_seqlens)
     if reason is not None:
         able = [n for n, r in available_backends(q1, k1, q2, k2, cu_seqlens).items() if r is None]
-        raise ValueError(f"backend {name!r} cannot run these inputs: {reason}. Backends that can: "
-                         f"{', '.join(able)}")
+        raise ValueError(
+            f"backend {name!r} cannot run these inputs: {reason}. Backends that can: {', '.join(able)}"
+        )
     return _module(name)

@@ -11,9 +11,7 @@ def backend() -> str:
     """STREAMKL_BACKEND: auto (default) | reference | triton | cuda."""
     name = os.environ.get("STREAMKL_BACKEND", "auto").strip().lower() or "auto"
     if name not in BACKENDS:
-        raise ValueError(
-            f"STREAMKL_BACKEND={name!r} is not a backend; expected one of {', '.join(BACKENDS)}"
-        )
+        raise ValueError(f"STREAMKL_BACKEND={name!r} is not a backend; expected one of {', '.join(BACKENDS)}")
     return name
 
 

@@ -27,21 +27,40 @@ def _resolve_varlen(cu_seqlens, max_seqlen, nq):
         return None
     longest = _checks.check_cu_seqlens_values(cu_seqlens, nq)
     if max_seqlen is not None and max_seqlen < longest:
-        raise ValueError(f"max_seqlen={max_seqlen} is shorter than the longest sequence in "
-                         f"cu_seqlens ({longest}); nothing is truncated, so pass at least {longest}")
+        raise ValueError(
+            f"max_seqlen={max_seqlen} is shorter than the longest sequence in "
+            f"cu_seqlens ({longest}); nothing is truncated, so pass at least {longest}"
+        )
     return longest if max_seqlen is None else max_seqlen
 
 
 @torch.library.custom_op("streamkl::attn_kl_fwd", mutates_args=())
-def attn_kl_fwd(q1: Tensor, k1: Tensor, q2: Tensor, k2: Tensor, causal: bool, scale1: float,
-                scale2: float, cu_seqlens: Tensor | None = None,
-                max_seqlen: int | None = None,
-                backend: str | None = None) -> tuple[Tensor, Tensor, Tensor]:
+def attn_kl_fwd(
+    q1: Tensor,
+    k1: Tensor,
+    q2: Tensor,
+    k2: Tensor,
+    causal: bool,
+    scale1: float,
+    scale2: float,
+    cu_seqlens: Tensor | None = None,
+    max_seqlen: int | None = None,
+    backend: str | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
     problem = _checks.check_inputs(q1, k1, q2, k2, cu_seqlens, max_seqlen)
     max_seqlen = _resolve_varlen(cu_seqlens, max_seqlen, problem.nq)
     module = _dispatch.select(q1, k1, q2, k2, cu_seqlens, backend)
-    kl, lse1, lse2 = module.forward(q1, k1, q2, k2, causal=causal, scale1=scale1, scale2=scale2,
-                                    cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+    kl, lse1, lse2 = module.forward(
+        q1,
+        k1,
+        q2,
+        k2,
+        causal=causal,
+        scale1=scale1,
+        scale2=scale2,
+        cu_seqlens=cu_seqlens,
+        max_seqlen=max_seqlen,
+    )
     dtype = _out_dtype(q1, q2)
     return kl.to(dtype), lse1.to(dtype), lse2.to(dtype)
 
@@ -55,26 +74,64 @@ def _(q1, k1, q2, k2, causal, scale1, scale2, cu_seqlens=None, max_seqlen=None, 
 
 
 @torch.library.custom_op("streamkl::attn_kl_bwd", mutates_args=())
-def attn_kl_bwd(grad_kl: Tensor, q1: Tensor, k1: Tensor, q2: Tensor, k2: Tensor, kl: Tensor,
-                lse1: Tensor, lse2: Tensor, causal: bool, scale1: float, scale2: float,
-                cu_seqlens: Tensor | None, max_seqlen: int | None, needs: list[bool],
-                backend: str | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def attn_kl_bwd(
+    grad_kl: Tensor,
+    q1: Tensor,
+    k1: Tensor,
+    q2: Tensor,
+    k2: Tensor,
+    kl: Tensor,
+    lse1: Tensor,
+    lse2: Tensor,
+    causal: bool,
+    scale1: float,
+    scale2: float,
+    cu_seqlens: Tensor | None,
+    max_seqlen: int | None,
+    needs: list[bool],
+    backend: str | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     problem = _checks.check_inputs(q1, k1, q2, k2, cu_seqlens, max_seqlen)
     max_seqlen = _resolve_varlen(cu_seqlens, max_seqlen, problem.nq)
     module = _dispatch.select(q1, k1, q2, k2, cu_seqlens, backend)
-    grads = module.backward(grad_kl.float().contiguous() if kl.dtype != torch.float64
-                            else grad_kl.contiguous(),
-                            q1, k1, q2, k2, kl, lse1, lse2, causal=causal, scale1=scale1,
-                            scale2=scale2, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
-                            needs=tuple(needs))
+    grads = module.backward(
+        grad_kl.float().contiguous() if kl.dtype != torch.float64 else grad_kl.contiguous(),
+        q1,
+        k1,
+        q2,
+        k2,
+        kl,
+        lse1,
+        lse2,
+        causal=causal,
+        scale1=scale1,
+        scale2=scale2,
+        cu_seqlens=cu_seqlens,
+        max_seqlen=max_seqlen,
+        needs=tuple(needs),
+    )
     return tuple(g if g is not None else t.new_empty(0) for g, t in zip(grads, (q1, k1, q2, k2)))
 
 
 @attn_kl_bwd.register_fake
-def _(grad_kl, q1, k1, q2, k2, kl, lse1, lse2, causal, scale1, scale2, cu_seqlens, max_seqlen,
-      needs, backend=None):
-    return tuple(t.new_empty(t.shape if need else (0,))
-                 for t, need in zip((q1, k1, q2, k2), needs))
+def _(
+    grad_kl,
+    q1,
+    k1,
+    q2,
+    k2,
+    kl,
+    lse1,
+    lse2,
+    causal,
+    scale1,
+    scale2,
+    cu_seqlens,
+    max_seqlen,
+    needs,
+    backend=None,
+):
+    return tuple(t.new_empty(t.shape if need else (0,)) for t, need in zip((q1, k1, q2, k2), needs))
 
 
 def _setup_context(ctx, inputs, output):
@@ -89,8 +146,23 @@ def _backward(ctx, grad_kl, grad_lse1, grad_lse2):
     q1, k1, q2, k2, kl, lse1, lse2, cu_seqlens = ctx.saved_tensors
     causal, scale1, scale2, max_seqlen, backend = ctx.args
     needs = list(ctx.needs_input_grad[:4])
-    grads = attn_kl_bwd(grad_kl, q1, k1, q2, k2, kl, lse1, lse2, causal, scale1, scale2,
-                        cu_seqlens, max_seqlen, needs, backend)
+    grads = attn_kl_bwd(
+        grad_kl,
+        q1,
+        k1,
+        q2,
+        k2,
+        kl,
+        lse1,
+        lse2,
+        causal,
+        scale1,
+        scale2,
+        cu_seqlens,
+        max_seqlen,
+        needs,
+        backend,
+    )
     grads = tuple(g if need else None for g, need in zip(grads, needs))
     return (*grads, None, None, None, None, None, None)
 
@@ -106,13 +178,32 @@ _lib.define(
 )
 
 
-def _attn_kl(q1, k1, q2, k2, *, causal=False, scale1=None, scale2=None, reduction="none",
-             cu_seqlens=None, max_seqlen=None, backend=None):
-    problem, scale1, scale2 = _checks.check_call(q1, k1, q2, k2, scale1=scale1, scale2=scale2,
-                                                 reduction=reduction, cu_seqlens=cu_seqlens,
-                                                 max_seqlen=max_seqlen)
-    kl, _, _ = attn_kl_fwd(q1, k1, q2, k2, causal, scale1, scale2, cu_seqlens, max_seqlen,
-                           backend)
+def _attn_kl(
+    q1,
+    k1,
+    q2,
+    k2,
+    *,
+    causal=False,
+    scale1=None,
+    scale2=None,
+    reduction="none",
+    cu_seqlens=None,
+    max_seqlen=None,
+    backend=None,
+):
+    problem, scale1, scale2 = _checks.check_call(
+        q1,
+        k1,
+        q2,
+        k2,
+        scale1=scale1,
+        scale2=scale2,
+        reduction=reduction,
+        cu_seqlens=cu_seqlens,
+        max_seqlen=max_seqlen,
+    )
+    kl, _, _ = attn_kl_fwd(q1, k1, q2, k2, causal, scale1, scale2, cu_seqlens, max_seqlen, backend)
     if reduction == "none":
         return kl
     total = kl.sum()

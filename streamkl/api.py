@@ -8,10 +8,20 @@ from torch import Tensor
 from . import _checks, _ops  # noqa: F401  (_ops registers torch.ops.streamkl.*)
 
 
-def attn_kl(q1: Tensor, k1: Tensor, q2: Tensor, k2: Tensor, *, causal: bool = False,
-            scale1: float | None = None, scale2: float | None = None, reduction: str = "none",
-            cu_seqlens: Tensor | None = None, max_seqlen: int | None = None,
-            backend: str | None = None) -> Tensor:
+def attn_kl(
+    q1: Tensor,
+    k1: Tensor,
+    q2: Tensor,
+    k2: Tensor,
+    *,
+    causal: bool = False,
+    scale1: float | None = None,
+    scale2: float | None = None,
+    reduction: str = "none",
+    cu_seqlens: Tensor | None = None,
+    max_seqlen: int | None = None,
+    backend: str | None = None,
+) -> Tensor:
     """KL(softmax(scale1 q1 k1^T) || softmax(scale2 q2 k2^T)) per query row, in one fused pass.
 
     q1 (B, H, Nq, D1), k1 (B, H_kv1, Nk, D1): the teacher.  q2 (B, H, Nq, D2), k2 (B, H_kv2, Nk,
@@ -24,10 +34,29 @@ def attn_kl(q1: Tensor, k1: Tensor, q2: Tensor, k2: Tensor, *, causal: bool = Fa
     Returns float32 (float64 for float64 inputs); differentiable in all four inputs.
     """
     # Type errors surface here, named, rather than as the op schema's parse error.
-    _checks.check_call(q1, k1, q2, k2, scale1=scale1, scale2=scale2, reduction=reduction,
-                       cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+    _checks.check_call(
+        q1,
+        k1,
+        q2,
+        k2,
+        scale1=scale1,
+        scale2=scale2,
+        reduction=reduction,
+        cu_seqlens=cu_seqlens,
+        max_seqlen=max_seqlen,
+    )
     if backend is not None and not isinstance(backend, str):
         raise TypeError(f"backend must be a str or None, got {type(backend).__name__}")
-    return torch.ops.streamkl.attn_kl(q1, k1, q2, k2, causal=causal, scale1=scale1,
-                                      scale2=scale2, reduction=reduction, cu_seqlens=cu_seqlens,
-                                      max_seqlen=max_seqlen, backend=backend)
+    return torch.ops.streamkl.attn_kl(
+        q1,
+        k1,
+        q2,
+        k2,
+        causal=causal,
+        scale1=scale1,
+        scale2=scale2,
+        reduction=reduction,
+        cu_seqlens=cu_seqlens,
+        max_seqlen=max_seqlen,
+        backend=backend,
+    )

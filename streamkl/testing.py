@@ -35,8 +35,18 @@ def _logits(q, k, scale, dtype):
     return scale * (q.to(dtype) @ k.transpose(-1, -2))
 
 
-def dense_attn_kl(q1, k1, q2, k2, causal=False, scale1=None, scale2=None, cu_seqlens=None,
-                  dtype=torch.float64, return_lse=False):
+def dense_attn_kl(
+    q1,
+    k1,
+    q2,
+    k2,
+    causal=False,
+    scale1=None,
+    scale2=None,
+    cu_seqlens=None,
+    dtype=torch.float64,
+    return_lse=False,
+):
     """KL(softmax(S1) || softmax(S2)) per row, materializing both (B, H, Nq, Nk) matrices."""
     scale1 = 1.0 / math.sqrt(q1.shape[-1]) if scale1 is None else scale1
     scale2 = 1.0 / math.sqrt(q2.shape[-1]) if scale2 is None else scale2
@@ -55,8 +65,22 @@ def dense_attn_kl(q1, k1, q2, k2, causal=False, scale1=None, scale2=None, cu_seq
     return (kl, lse1, lse2) if return_lse else kl
 
 
-def make_inputs(b=1, h=2, nq=64, nk=64, d1=32, d2=32, hk1=None, hk2=None, dtype=torch.float32,
-                device="cpu", seed=0, layout="bhnd", requires_grad=False, std=1.0):
+def make_inputs(
+    b=1,
+    h=2,
+    nq=64,
+    nk=64,
+    d1=32,
+    d2=32,
+    hk1=None,
+    hk2=None,
+    dtype=torch.float32,
+    device="cpu",
+    seed=0,
+    layout="bhnd",
+    requires_grad=False,
+    std=1.0,
+):
     """Random (never zero) q1, k1, q2, k2. layout="bnhd" returns (B,N,H,D) tensors viewed as
     (B,H,N,D) through .transpose(1, 2), the strides flash-attn users pass."""
     gen = torch.Generator(device="cpu").manual_seed(seed)

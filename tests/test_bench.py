@@ -30,9 +30,9 @@ def test_flop_count_definition():
     fwd = attn_kl_flops(b, h, n, n, d, d, False, "fwd")
     assert fwd == 4 * b * h * n * n * d
     assert attn_kl_flops(b, h, n, n, d, d, True, "fwd") == 2 * b * h * (n * (n + 1) // 2) * 2 * d
-    assert attn_kl_flops(b, h, n, n, d, d, False, "bwd", "q2k2") == 2 * fwd   # four GEMMs
+    assert attn_kl_flops(b, h, n, n, d, d, False, "bwd", "q2k2") == 2 * fwd  # four GEMMs
     assert attn_kl_flops(b, h, n, n, d, d, False, "bwd", "q1k1") == 2 * fwd
-    assert attn_kl_flops(b, h, n, n, d, d, False, "bwd", "all") == 3 * fwd    # six GEMMs
+    assert attn_kl_flops(b, h, n, n, d, d, False, "bwd", "all") == 3 * fwd  # six GEMMs
     assert attn_kl_flops(b, h, n, n, d, d, False, "fwd+bwd", "q2k2") == 3 * fwd
     # D1 != D2: each GEMM counts its own head dim
     assert attn_kl_flops(1, 1, 4, 4, 64, 32, False, "fwd") == 2 * 16 * 96
@@ -52,8 +52,7 @@ def test_env_vars_sets_and_restores(monkeypatch):
 
 
 def _ok(results, **match):
-    return [r for r in results if r["status"] == "ok"
-            and all(r.get(k) == v for k, v in match.items())]
+    return [r for r in results if r["status"] == "ok" and all(r.get(k) == v for k, v in match.items())]
 
 
 @pytest.fixture(scope="module")
@@ -122,8 +121,18 @@ def test_report_merges_runs(smoke_run, tmp_path):
     for r in other["results"]:
         r["ms"] = r.get("ms", 1.0) * 2
     (tmp_path / "long.json").write_text(json.dumps(other))
-    assert report.main([str(out / "results.json"), str(tmp_path / "long.json"),
-                        "--out", str(tmp_path / "merged"), "--no-plots"]) == 0
+    assert (
+        report.main(
+            [
+                str(out / "results.json"),
+                str(tmp_path / "long.json"),
+                "--out",
+                str(tmp_path / "merged"),
+                "--no-plots",
+            ]
+        )
+        == 0
+    )
     merged = json.loads((tmp_path / "merged" / "results.json").read_text())
     assert len(merged["results"]) == len(data["results"])
     assert len(merged["meta"]["merged_runs"]) == 2
@@ -143,8 +152,18 @@ def test_report_merge_keeps_a_measurement_over_a_later_skip(smoke_run, tmp_path)
         r.update(status="skipped", reason="time budget of 1 s spent")
         r.pop("ms", None)
     (tmp_path / "later.json").write_text(json.dumps(later))
-    assert report.main([str(out / "results.json"), str(tmp_path / "later.json"),
-                        "--out", str(tmp_path / "merged"), "--no-plots"]) == 0
+    assert (
+        report.main(
+            [
+                str(out / "results.json"),
+                str(tmp_path / "later.json"),
+                "--out",
+                str(tmp_path / "merged"),
+                "--no-plots",
+            ]
+        )
+        == 0
+    )
     merged = json.loads((tmp_path / "merged" / "results.json").read_text())
     assert sum(r["status"] == "ok" for r in merged["results"]) == len(measured) > 0
 
@@ -162,12 +181,30 @@ def test_oom_and_errors_are_recorded_and_the_run_goes_on(tmp_path, monkeypatch):
 
     monkeypatch.setattr(providers, "dense_fp32", dense_that_runs_out)
     monkeypatch.setattr(providers, "_call_streamkl", broken_streamkl)
-    argv = ["--smoke", "--sweep", "n", "--sizes", "32,64,128", "--causal", "0", "--settings",
-            "q2k2", "--providers", "streamkl-reference,torch,gemm", "--no-plots",
-            "--out", str(tmp_path)]
+    argv = [
+        "--smoke",
+        "--sweep",
+        "n",
+        "--sizes",
+        "32,64,128",
+        "--causal",
+        "0",
+        "--settings",
+        "q2k2",
+        "--providers",
+        "streamkl-reference,torch,gemm",
+        "--no-plots",
+        "--out",
+        str(tmp_path),
+    ]
     # --smoke runs every sweep; restrict to n through the sweep list
-    assert cli.main([a for a in argv if a != "--smoke"] + ["--device", "cpu", "--dtype", "float32",
-                                                           "--compile-backend", "aot_eager"]) == 0
+    assert (
+        cli.main(
+            [a for a in argv if a != "--smoke"]
+            + ["--device", "cpu", "--dtype", "float32", "--compile-backend", "aot_eager"]
+        )
+        == 0
+    )
     data = json.loads((tmp_path / "results.json").read_text())
     res = {(r["provider"], r["mode"], r["case"]["nq"]): r for r in data["results"]}
     assert res[("torch", "fwd", 32)]["status"] == "ok"
@@ -183,13 +220,30 @@ def test_oom_and_errors_are_recorded_and_the_run_goes_on(tmp_path, monkeypatch):
 
 
 def test_budget_and_projection_skip(tmp_path):
-    argv = ["--sweep", "n", "--sizes", "32,256", "--causal", "0", "--settings", "q2k2",
-            "--providers", "streamkl-reference,torch", "--device", "cpu", "--dtype", "float32",
-            "--max-call-reference-s", "1e-9", "--no-plots", "--out", str(tmp_path / "a")]
+    argv = [
+        "--sweep",
+        "n",
+        "--sizes",
+        "32,256",
+        "--causal",
+        "0",
+        "--settings",
+        "q2k2",
+        "--providers",
+        "streamkl-reference,torch",
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--max-call-reference-s",
+        "1e-9",
+        "--no-plots",
+        "--out",
+        str(tmp_path / "a"),
+    ]
     assert cli.main(argv) == 0
     data = json.loads((tmp_path / "a" / "results.json").read_text())
-    ref = {(r["mode"], r["case"]["nq"]): r for r in data["results"]
-           if r["provider"] == "streamkl-reference"}
+    ref = {(r["mode"], r["case"]["nq"]): r for r in data["results"] if r["provider"] == "streamkl-reference"}
     assert ref[("fwd", 32)]["status"] == "ok"
     assert ref[("fwd", 256)]["status"] == "skipped" and "projected" in ref[("fwd", 256)]["reason"]
     argv = argv[:-1] + [str(tmp_path / "b"), "--time-budget", "0"]
@@ -203,11 +257,13 @@ def test_quick_preset_plan(capsys):
     """The preset the H200 run uses: every sweep of the issue, at the issue's shapes."""
     from streamkl.bench.sweeps import Geometry, build
 
-    plan = {sw.name: sw for sw in build("quick", ["n", "decode", "bwd-strategy", "shapes", "long"],
-                                        Geometry())}
+    plan = {
+        sw.name: sw for sw in build("quick", ["n", "decode", "bwd-strategy", "shapes", "long"], Geometry())
+    }
     n = plan["n"]
-    assert {(c.nq, c.causal) for c in n.cases} == {(k * 1024, c) for k in (4, 8, 16, 32)
-                                                    for c in (False, True)}
+    assert {(c.nq, c.causal) for c in n.cases} == {
+        (k * 1024, c) for k in (4, 8, 16, 32) for c in (False, True)
+    }
     assert all((c.b, c.h, c.d1, c.d2, c.dtype) == (1, 32, 128, 128, "bfloat16") for c in n.cases)
     assert [m for m in n.modes] == [("fwd", None), ("bwd", "q2k2"), ("bwd", "q1k1"), ("bwd", "all")]
     assert {"streamkl", "torch", "torch.compile", "gemm"} <= set(n.providers)
@@ -230,20 +286,55 @@ def test_triton_provider_under_the_interpreter(tmp_path):
     """The Triton backend through the harness (env variants included), on CPU tensors, in a
     fresh `python -m streamkl.bench` process: Triton must see TRITON_INTERPRET=1 before import."""
     pytest.importorskip("triton")
-    argv = ["--sweep", "n,decode", "--device", "cpu", "--heads", "1", "--dim", "16", "--sizes", "32",
-            "--causal", "1", "--settings", "q2k2", "--decode-nq", "1", "--decode-nk", "64",
-            "--providers", "streamkl-triton", "--no-plots", "--out", str(tmp_path)]
+    argv = [
+        "--sweep",
+        "n,decode",
+        "--device",
+        "cpu",
+        "--heads",
+        "1",
+        "--dim",
+        "16",
+        "--sizes",
+        "32",
+        "--causal",
+        "1",
+        "--settings",
+        "q2k2",
+        "--decode-nq",
+        "1",
+        "--decode-nk",
+        "64",
+        "--providers",
+        "streamkl-triton",
+        "--no-plots",
+        "--out",
+        str(tmp_path),
+    ]
     root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-m", "streamkl.bench", *argv], env=env, cwd=root,
-                          capture_output=True, text=True, timeout=600)
+    env = dict(
+        os.environ,
+        TRITON_INTERPRET="1",
+        PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "streamkl.bench", *argv],
+        env=env,
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads((tmp_path / "results.json").read_text())["results"]
     assert {(r["sweep"], r["mode"], r["variant"]) for r in results if r["status"] == "ok"} == {
-        ("n", "fwd", ""), ("n", "bwd", ""), ("decode", "fwd", "split_k=off"),
-        ("decode", "fwd", "split_k=8"), ("decode", "fwd", "split_k=32"),
-        ("decode", "fwd", "split_k=auto")}
+        ("n", "fwd", ""),
+        ("n", "bwd", ""),
+        ("decode", "fwd", "split_k=off"),
+        ("decode", "fwd", "split_k=8"),
+        ("decode", "fwd", "split_k=32"),
+        ("decode", "fwd", "split_k=auto"),
+    }
     assert all(r["check"]["kl_ok"] and r["check"].get("grad_ok", True) for r in results)
 
 
@@ -269,9 +360,25 @@ def test_rel_err_in_chunks_matches_the_dense_formula():
 def test_a_first_call_past_single_shot_is_not_repeated_for_memory(tmp_path):
     """With nothing to project from (the first size of a sweep), a first call that already took
     --single-shot-s gives the memory figure itself: at 1M tokens a second 100 s call is waste."""
-    argv = ["--sweep", "n", "--sizes", "32", "--causal", "0", "--settings", "q2k2",
-            "--providers", "streamkl-reference", "--device", "cpu", "--dtype", "float32",
-            "--no-plots", "--repeats", "1"]
+    argv = [
+        "--sweep",
+        "n",
+        "--sizes",
+        "32",
+        "--causal",
+        "0",
+        "--settings",
+        "q2k2",
+        "--providers",
+        "streamkl-reference",
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--no-plots",
+        "--repeats",
+        "1",
+    ]
     assert cli.main(argv + ["--single-shot-s", "1e-9", "--out", str(tmp_path / "long")]) == 0
     assert cli.main(argv + ["--out", str(tmp_path / "short")]) == 0
     fwd = {}

@@ -11,13 +11,18 @@ from .oracle import oracle
 
 
 @pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
-@pytest.mark.parametrize("kwargs", [
-    dict(causal=False), dict(causal=True, scale1=0.5, scale2=0.25),
-    dict(causal=True, reduction="mean"), dict(causal=False, reduction="sum"),
-], ids=str)
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(causal=False),
+        dict(causal=True, scale1=0.5, scale2=0.25),
+        dict(causal=True, reduction="mean"),
+        dict(causal=False, reduction="sum"),
+    ],
+    ids=str,
+)
 def test_opcheck_public_op(layout, kwargs):
-    inputs = make_inputs(h=4, nq=7, nk=9, d1=8, d2=4, hk1=2, hk2=1, layout=layout,
-                         requires_grad=True)
+    inputs = make_inputs(h=4, nq=7, nk=9, d1=8, d2=4, hk1=2, hk2=1, layout=layout, requires_grad=True)
     torch.library.opcheck(torch.ops.streamkl.attn_kl.default, inputs, kwargs)
 
 
@@ -25,10 +30,10 @@ def test_opcheck_public_op(layout, kwargs):
 @pytest.mark.parametrize("varlen", [False, True])
 def test_opcheck_forward_and_backward_ops(layout, varlen):
     cu = torch.tensor([0, 3, 3, 8], dtype=torch.int32) if varlen else None
-    q1, k1, q2, k2 = make_inputs(h=4, nq=8, nk=8, d1=8, d2=4, hk1=2, layout=layout,
-                                 requires_grad=True)
-    torch.library.opcheck(torch.ops.streamkl.attn_kl_fwd.default,
-                          (q1, k1, q2, k2, True, 0.3, 0.2, cu, None, None))
+    q1, k1, q2, k2 = make_inputs(h=4, nq=8, nk=8, d1=8, d2=4, hk1=2, layout=layout, requires_grad=True)
+    torch.library.opcheck(
+        torch.ops.streamkl.attn_kl_fwd.default, (q1, k1, q2, k2, True, 0.3, 0.2, cu, None, None)
+    )
     kl, lse1, lse2 = torch.ops.streamkl.attn_kl_fwd(q1, k1, q2, k2, True, 0.3, 0.2, cu)
     grad = torch.randn_like(kl)
     q1, k1, q2, k2, kl, lse1, lse2 = (t.detach() for t in (q1, k1, q2, k2, kl, lse1, lse2))
@@ -46,8 +51,9 @@ class Distill(torch.nn.Module):
         self.proj = torch.nn.Linear(8, 8, dtype=torch.float64)
 
     def forward(self, q1, k1, q2, k2, cu_seqlens=None):
-        return streamkl.attn_kl(q1, k1, self.proj(q2), k2, causal=self.causal,
-                                reduction=self.reduction, cu_seqlens=cu_seqlens)
+        return streamkl.attn_kl(
+            q1, k1, self.proj(q2), k2, causal=self.causal, reduction=self.reduction, cu_seqlens=cu_seqlens
+        )
 
 
 @pytest.mark.parametrize("varlen", [False, True])
@@ -56,8 +62,9 @@ class Distill(torch.nn.Module):
 def test_compile_fullgraph_matches_eager(causal, reduction, varlen):
     torch._dynamo.reset()
     cu = torch.tensor([0, 4, 10], dtype=torch.int32) if varlen else None
-    inputs = make_inputs(h=4, nq=10, nk=10, d1=8, d2=8, hk2=2, dtype=torch.float64,
-                         requires_grad=True, layout="bnhd")
+    inputs = make_inputs(
+        h=4, nq=10, nk=10, d1=8, d2=8, hk2=2, dtype=torch.float64, requires_grad=True, layout="bnhd"
+    )
     model = Distill(causal, reduction)
     results = []
     for fn in (model, torch.compile(model, fullgraph=True)):
@@ -84,13 +91,13 @@ def test_gradcheck_float64(case):
         inputs = make_inputs(h=2, nq=4, nk=5, d1=3, d2=2, dtype=torch.float64, requires_grad=True)
         kw = dict()
     elif case == "causal_gqa":
-        inputs = make_inputs(h=4, nq=4, nk=6, d1=3, d2=2, hk1=2, hk2=1, dtype=torch.float64,
-                             requires_grad=True, layout="bnhd")
+        inputs = make_inputs(
+            h=4, nq=4, nk=6, d1=3, d2=2, hk1=2, hk2=1, dtype=torch.float64, requires_grad=True, layout="bnhd"
+        )
         kw = dict(causal=True, scale1=0.9)
     elif case == "varlen":
         cu = torch.tensor([0, 2, 5], dtype=torch.int32)
-        inputs = make_inputs(h=2, nq=5, nk=5, d1=3, d2=3, hk1=1, dtype=torch.float64,
-                             requires_grad=True)
+        inputs = make_inputs(h=2, nq=5, nk=5, d1=3, d2=3, hk1=1, dtype=torch.float64, requires_grad=True)
         kw = dict(causal=True, cu_seqlens=cu)
     else:
         inputs = make_inputs(h=2, nq=6, nk=3, d1=2, d2=3, dtype=torch.float64, requires_grad=True)
@@ -106,6 +113,7 @@ def test_matches_oracle_on_cuda_tensors_with_reference():
 
 
 # --- backend selection ----------------------------------------------------------------------
+
 
 def test_env_is_read_at_call_time(monkeypatch):
     inputs = make_inputs(h=2, nq=4, nk=4)
@@ -145,6 +153,7 @@ def test_available_backends_reports_reasons():
 
 
 # --- memory ---------------------------------------------------------------------------------
+
 
 class LargestTensor(TorchDispatchMode):
     """Records the element count of the largest tensor any aten op produces. A dispatch mode

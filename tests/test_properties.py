@@ -12,8 +12,7 @@ from streamkl.testing import assert_kl_close, grad_tolerance, make_inputs
 
 from .oracle import oracle, rounding_floor
 
-settings.register_profile("ci", max_examples=200, deadline=None,
-                          suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("ci", max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("dev", max_examples=40, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
@@ -24,11 +23,17 @@ def problems(draw, dtype=None):
     hk2 = draw(st.sampled_from([1, 2]))
     h = hk1 * hk2 * draw(st.sampled_from([1, 2]))
     return dict(
-        b=draw(st.integers(1, 2)), h=h, hk1=hk1, hk2=hk2,
-        nq=draw(st.integers(1, 24)), nk=draw(st.integers(1, 24)),
-        d1=draw(st.integers(1, 20)), d2=draw(st.integers(1, 20)),
+        b=draw(st.integers(1, 2)),
+        h=h,
+        hk1=hk1,
+        hk2=hk2,
+        nq=draw(st.integers(1, 24)),
+        nk=draw(st.integers(1, 24)),
+        d1=draw(st.integers(1, 20)),
+        d2=draw(st.integers(1, 20)),
         dtype=dtype or draw(st.sampled_from([torch.float64, torch.float32, torch.bfloat16])),
-        layout=draw(st.sampled_from(["bhnd", "bnhd"])), seed=draw(st.integers(0, 2**31)),
+        layout=draw(st.sampled_from(["bhnd", "bnhd"])),
+        seed=draw(st.integers(0, 2**31)),
         std=draw(st.sampled_from([0.1, 1.0, 3.0])),
     )
 
@@ -36,8 +41,9 @@ def problems(draw, dtype=None):
 @given(problems(), st.booleans())
 def test_agrees_with_oracle(problem, causal):
     inputs = make_inputs(**problem)
-    assert_kl_close(streamkl.attn_kl(*inputs, causal=causal), oracle(*inputs, causal=causal)[0],
-                    problem["dtype"])
+    assert_kl_close(
+        streamkl.attn_kl(*inputs, causal=causal), oracle(*inputs, causal=causal)[0], problem["dtype"]
+    )
 
 
 @given(problems(torch.float64), st.booleans())
@@ -73,7 +79,7 @@ def test_uniform_student_gives_log_n_minus_entropy(problem, causal):
     visible = torch.arange(nq)[:, None] + (nk - nq) >= torch.arange(nk)[None, :]
     if not causal:
         visible = torch.ones_like(visible)
-    s1 = (q1 @ k1.repeat_interleave(q1.shape[1] // k1.shape[1], 1).transpose(-1, -2))
+    s1 = q1 @ k1.repeat_interleave(q1.shape[1] // k1.shape[1], 1).transpose(-1, -2)
     s1 = (s1 / math.sqrt(q1.shape[-1])).masked_fill(~visible, -math.inf)
     logp1 = torch.log_softmax(s1, -1)
     entropy = -(logp1.exp() * logp1.masked_fill(~visible, 0)).sum(-1)
@@ -107,8 +113,9 @@ def test_gradients_agree_with_oracle(problem, causal):
     gradients that are cancellation residues (one-hot rows)."""
     dtype = problem["dtype"]
     inputs = make_inputs(**problem, requires_grad=True)
-    g = torch.randn(inputs[0].shape[:3], generator=torch.Generator().manual_seed(problem["seed"]),
-                    dtype=torch.float64)
+    g = torch.randn(
+        inputs[0].shape[:3], generator=torch.Generator().manual_seed(problem["seed"]), dtype=torch.float64
+    )
     kl = streamkl.attn_kl(*inputs, causal=causal)
     kl.backward(g.to(kl.dtype))
     g = g.to(kl.dtype).double()  # the oracle gets the same upstream gradient

@@ -18,9 +18,17 @@ def _check(q1, k1, q2, k2, dtype, **kw):
     out = streamkl.attn_kl(q1, k1, q2, k2, backend="reference", **kw)
     assert out.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
     grad = torch.randn(out.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-    ref, ref_grads = oracle(q1, k1, q2, k2, causal=kw.get("causal", False),
-                            scale1=kw.get("scale1"), scale2=kw.get("scale2"),
-                            cu_seqlens=kw.get("cu_seqlens"), grad=grad)
+    ref, ref_grads = oracle(
+        q1,
+        k1,
+        q2,
+        k2,
+        causal=kw.get("causal", False),
+        scale1=kw.get("scale1"),
+        scale2=kw.get("scale2"),
+        cu_seqlens=kw.get("cu_seqlens"),
+        grad=grad,
+    )
     assert_kl_close(out.detach(), ref, dtype)
     grads = torch.autograd.grad(out, (q1, k1, q2, k2), grad.to(out.dtype))
     for name, g, g_ref, t in zip(("dq1", "dk1", "dq2", "dk2"), grads, ref_grads, (q1, k1, q2, k2)):
@@ -36,8 +44,20 @@ def _check(q1, k1, q2, k2, dtype, **kw):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_matches_oracle(dtype, causal, lengths, heads, dims, layout):
     (nq, nk), (h, hk1, hk2), (d1, d2) = lengths, heads, dims
-    inputs = make_inputs(b=2, h=h, nq=nq, nk=nk, d1=d1, d2=d2, hk1=hk1, hk2=hk2, dtype=dtype,
-                         layout=layout, requires_grad=True, seed=nq * 31 + nk)
+    inputs = make_inputs(
+        b=2,
+        h=h,
+        nq=nq,
+        nk=nk,
+        d1=d1,
+        d2=d2,
+        hk1=hk1,
+        hk2=hk2,
+        dtype=dtype,
+        layout=layout,
+        requires_grad=True,
+        seed=nq * 31 + nk,
+    )
     _check(*inputs, dtype, causal=causal)
 
 
@@ -45,8 +65,9 @@ def test_matches_oracle(dtype, causal, lengths, heads, dims, layout):
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
 def test_packed_sequences(dtype, causal):
     cu_seqlens = torch.tensor([0, 5, 5, 12, 13, 20], dtype=torch.int32)  # one empty, one single
-    inputs = make_inputs(b=1, h=4, nq=20, nk=20, d1=16, d2=8, hk1=2, hk2=4, dtype=dtype,
-                         requires_grad=True, layout="bnhd")
+    inputs = make_inputs(
+        b=1, h=4, nq=20, nk=20, d1=16, d2=8, hk1=2, hk2=4, dtype=dtype, requires_grad=True, layout="bnhd"
+    )
     _check(*inputs, dtype, causal=causal, cu_seqlens=cu_seqlens)
     _check(*inputs, dtype, causal=causal, cu_seqlens=cu_seqlens, max_seqlen=7)
 
@@ -98,8 +119,11 @@ def test_reductions(causal):
 @pytest.mark.parametrize("setting", ["teacher_fixed", "target_fixed", "both"])
 def test_only_requested_gradients(setting):
     q1, k1, q2, k2 = make_inputs(h=2, nq=8, nk=8, dtype=torch.float64)
-    wants = {"teacher_fixed": (False, False, True, True), "target_fixed": (True, True, False, False),
-             "both": (True,) * 4}[setting]
+    wants = {
+        "teacher_fixed": (False, False, True, True),
+        "target_fixed": (True, True, False, False),
+        "both": (True,) * 4,
+    }[setting]
     for t, want in zip((q1, k1, q2, k2), wants):
         t.requires_grad_(want)
     streamkl.attn_kl(q1, k1, q2, k2, reduction="sum").backward()

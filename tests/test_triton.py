@@ -87,7 +87,17 @@ def _run(q1, k1, q2, k2, *, causal=False, cu_seqlens=None, max_seqlen=None, need
 
 
 def _check(
-    q1, k1, q2, k2, *, causal=False, cu_seqlens=None, max_seqlen=None, needs=ALL, kl_tol=None, grad_tol=None,
+    q1,
+    k1,
+    q2,
+    k2,
+    *,
+    causal=False,
+    cu_seqlens=None,
+    max_seqlen=None,
+    needs=ALL,
+    kl_tol=None,
+    grad_tol=None,
     rounding_floor=False,
 ):
     """Forward kl/lse and the needed grads against the oracle; returns the grads.
@@ -157,7 +167,16 @@ def _check_case(case):
     """Forward and all four gradients of one CASES entry against the oracle."""
     b, h, hk1, hk2, nq, nk, d1, d2, causal, layout = case
     q1, k1, q2, k2 = make_inputs(
-        b=b, h=h, hk1=hk1, hk2=hk2, nq=nq, nk=nk, d1=d1, d2=d2, device=DEVICE, layout=layout,
+        b=b,
+        h=h,
+        hk1=hk1,
+        hk2=hk2,
+        nq=nq,
+        nk=nk,
+        d1=d1,
+        d2=d2,
+        device=DEVICE,
+        layout=layout,
         seed=nq * nk + d1,
     )
     _check(q1, k1, q2, k2, causal=causal)
@@ -191,8 +210,11 @@ def test_pipelined_forward(causal, monkeypatch):
     _check(q1, k1, q2, k2, causal=causal, needs=SETTING1)
 
 
-@pytest.mark.skipif(not INTERPRET, reason="fp32 kernels at interpreter tiles compile for minutes "
-                    "on a GPU; test_gpu_grid covers the layout the H200 table picks")
+@pytest.mark.skipif(
+    not INTERPRET,
+    reason="fp32 kernels at interpreter tiles compile for minutes "
+    "on a GPU; test_gpu_grid covers the layout the H200 table picks",
+)
 @pytest.mark.parametrize("qrows", [False, True], ids=["keys-x-queries", "queries-x-keys"])
 @pytest.mark.parametrize("strategy", ["separate", "fused"], indirect=True)
 @pytest.mark.parametrize("case", CASES[1:4], ids=lambda c: "-".join(map(str, c)))
@@ -210,19 +232,32 @@ def _random_problems(draw):
     hk1 = draw(st.sampled_from([1, 2]))
     hk2 = draw(st.sampled_from([1, 2]))
     return dict(
-        b=draw(st.integers(1, 2)), h=hk1 * hk2 * draw(st.sampled_from([1, 2])), hk1=hk1, hk2=hk2,
-        nq=draw(st.integers(1, 40)), nk=draw(st.integers(1, 40)),
-        d1=draw(st.integers(1, 40)), d2=draw(st.integers(1, 40)),
-        layout=draw(st.sampled_from(["bhnd", "bnhd"])), seed=draw(st.integers(0, 2**31 - 1)),
+        b=draw(st.integers(1, 2)),
+        h=hk1 * hk2 * draw(st.sampled_from([1, 2])),
+        hk1=hk1,
+        hk2=hk2,
+        nq=draw(st.integers(1, 40)),
+        nk=draw(st.integers(1, 40)),
+        d1=draw(st.integers(1, 40)),
+        d2=draw(st.integers(1, 40)),
+        layout=draw(st.sampled_from(["bhnd", "bnhd"])),
+        seed=draw(st.integers(0, 2**31 - 1)),
         std=draw(st.sampled_from([0.3, 1.0, 4.0])),
     )
 
 
-@pytest.mark.skipif(not INTERPRET, reason="on a GPU each random head dim compiles new fp32 kernels "
-                    "(30-130 s each on the H200); test_gpu_grid covers the compiled kernels")
+@pytest.mark.skipif(
+    not INTERPRET,
+    reason="on a GPU each random head dim compiles new fp32 kernels "
+    "(30-130 s each on the H200); test_gpu_grid covers the compiled kernels",
+)
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(_random_problems(), st.booleans(), st.sampled_from(["separate", "fused"]),
-       st.sampled_from(["off", "auto", "3"]))
+@given(
+    _random_problems(),
+    st.booleans(),
+    st.sampled_from(["separate", "fused"]),
+    st.sampled_from(["off", "auto", "3"]),
+)
 def test_random_problems_against_oracle(problem, causal, strategy, split):
     """Forward kl/lse and all four gradients on random problems, each backward strategy and
     split-K setting, against the float64 oracle (fp32 inputs: SPEC section 6's fp32 bars)."""
@@ -231,11 +266,19 @@ def test_random_problems_against_oracle(problem, causal, strategy, split):
         _check(q1, k1, q2, k2, causal=causal, rounding_floor=True)
 
 
-@pytest.mark.skipif(not INTERPRET, reason="on a GPU each random head dim compiles new fp32 kernels; "
-                    "test_gpu_varlen covers the compiled kernels")
+@pytest.mark.skipif(
+    not INTERPRET,
+    reason="on a GPU each random head dim compiles new fp32 kernels; "
+    "test_gpu_varlen covers the compiled kernels",
+)
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(_random_problems(), st.lists(st.integers(0, 20), min_size=1, max_size=4), st.integers(0, 5),
-       st.booleans(), st.sampled_from(["separate", "fused"]))
+@given(
+    _random_problems(),
+    st.lists(st.integers(0, 20), min_size=1, max_size=4),
+    st.integers(0, 5),
+    st.booleans(),
+    st.sampled_from(["separate", "fused"]),
+)
 def test_random_packed_sequences_against_oracle(problem, lengths, slack, causal, strategy):
     """Packed varlen: random sequence lengths (empty ones included) and a max_seqlen at or past
     the longest, forward and all four gradients against the float64 oracle."""
@@ -245,8 +288,9 @@ def test_random_packed_sequences_against_oracle(problem, lengths, slack, causal,
     q1, k1, q2, k2 = make_inputs(**problem, device=DEVICE)
     cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=DEVICE)
     with env_vars({"STREAMKL_TRITON_BWD": strategy}):
-        _check(q1, k1, q2, k2, causal=causal, cu_seqlens=cu, max_seqlen=max(lengths) + slack,
-               rounding_floor=True)
+        _check(
+            q1, k1, q2, k2, causal=causal, cu_seqlens=cu, max_seqlen=max(lengths) + slack, rounding_floor=True
+        )
 
 
 def test_one_gemm_ablation_is_the_teacher_against_itself(monkeypatch):
@@ -464,8 +508,9 @@ def test_through_the_op(causal):
     registered op reaches these kernels and matches the reference backend, forward and grads."""
     import streamkl
 
-    inputs = make_inputs(b=1, h=4, hk1=2, hk2=1, nq=24, nk=40, d1=16, d2=24, device=DEVICE,
-                         layout="bnhd", seed=3)
+    inputs = make_inputs(
+        b=1, h=4, hk1=2, hk2=1, nq=24, nk=40, d1=16, d2=24, device=DEVICE, layout="bnhd", seed=3
+    )
 
     def run(backend, compiled=False):
         leaves = [t.detach().clone().requires_grad_() for t in inputs]
@@ -496,8 +541,20 @@ def test_gpu_through_the_op(causal):
     import streamkl
     from streamkl.testing import assert_kl_close, grad_tolerance
 
-    inputs = make_inputs(b=2, h=8, hk1=4, hk2=2, nq=300, nk=520, d1=128, d2=64, dtype=torch.bfloat16,
-                         device="cuda", layout="bnhd", seed=21)
+    inputs = make_inputs(
+        b=2,
+        h=8,
+        hk1=4,
+        hk2=2,
+        nq=300,
+        nk=520,
+        d1=128,
+        d2=64,
+        dtype=torch.bfloat16,
+        device="cuda",
+        layout="bnhd",
+        seed=21,
+    )
     rkl, _, _, g, rgrads = _oracle(*inputs, causal, None, grad_seed=4)
 
     def kl_of(*t):

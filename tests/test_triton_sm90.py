@@ -48,21 +48,31 @@ def _compile(kernel, dtype, constexprs, num_warps, num_stages):
         else:  # KL, LSE1, LSE2, G, KLp, PART, DQA1, DQA2: float32 statistics and accumulators
             signature[name] = "*fp32"
     if kernel is _fwd._merge_kernel:
-        signature = {"PART": "*fp32", "KL": "*fp32", "LSE1": "*fp32", "LSE2": "*fp32",
-                     "ROWS": "i32", "n_splits": "i32", "SPLITS_P": "constexpr",
-                     "BLOCK_R": "constexpr"}
+        signature = {
+            "PART": "*fp32",
+            "KL": "*fp32",
+            "LSE1": "*fp32",
+            "LSE2": "*fp32",
+            "ROWS": "i32",
+            "n_splits": "i32",
+            "SPLITS_P": "constexpr",
+            "BLOCK_R": "constexpr",
+        }
     names = kernel.arg_names
     # What Triton's launcher specializes on the GPU: 16-byte aligned pointers and integer
     # arguments divisible by 16 (the row and head strides of contiguous D=128 inputs), except
     # those in do_not_specialize. Without these hints the tiles cannot be loaded in 16-byte
     # vectors and the pipeliner leaves them synchronous: not the code the H200 runs.
-    aligned = {name for name, ty in signature.items()
-               if ty.startswith("*") or (ty == "i32" and name[0] == "s" and name[1] in "qk")}
+    aligned = {
+        name
+        for name, ty in signature.items()
+        if ty.startswith("*") or (ty == "i32" and name[0] == "s" and name[1] in "qk")
+    }
     attrs = {(names.index(k),): [["tt.divisibility", 16]] for k in aligned}
-    source = ASTSource(kernel, signature, {(names.index(k),): v for k, v in fixed.items()
-                                            if k in names}, attrs)
-    return triton.compile(source, target=HOPPER,
-                          options=dict(num_warps=num_warps, num_stages=num_stages))
+    source = ASTSource(
+        kernel, signature, {(names.index(k),): v for k, v in fixed.items() if k in names}, attrs
+    )
+    return triton.compile(source, target=HOPPER, options=dict(num_warps=num_warps, num_stages=num_stages))
 
 
 def _dims(d1, d2):
@@ -82,43 +92,94 @@ def specializations():
         prec = "ieee" if dtype == "fp32" else "tf32"
         dims = _dims(d1, d2)
         for causal in (False, True):
-            cfg = _config.fwd_cfg(dims["D1P"], dims["D2P"], _torch_dtype(dtype), causal, 1 << 14,
-                                  False)
+            cfg = _config.fwd_cfg(dims["D1P"], dims["D2P"], _torch_dtype(dtype), causal, 1 << 14, False)
             # The last one: the hand-pipelined loop (a timing variant) at the non-causal tile,
             # where it was timed; at the causal 128 x 128 tile its stages overflow shared memory.
-            pipe_cfg = _config.fwd_cfg(dims["D1P"], dims["D2P"], _torch_dtype(dtype), False,
-                                       1 << 14, False)
-            for split, varlen, pipe, c in ((False, False, cfg.pipe, cfg), (True, False, cfg.pipe, cfg),
-                                           (False, True, cfg.pipe, cfg), (False, False, True, pipe_cfg)):
-                ce = dict(dims, BLOCK_M=c.block_m, BLOCK_N=c.block_n, CAUSAL=causal,
-                          VARLEN=varlen, SPLIT=split, PREC=prec, PIPE=pipe, EXP16=False,
-                          ABLATE=0)
-                name = f"fwd-{dtype}-{d1}x{d2}-causal{int(causal)}-split{int(split)}" \
-                       f"-varlen{int(varlen)}-pipe{int(pipe)}"
+            pipe_cfg = _config.fwd_cfg(dims["D1P"], dims["D2P"], _torch_dtype(dtype), False, 1 << 14, False)
+            for split, varlen, pipe, c in (
+                (False, False, cfg.pipe, cfg),
+                (True, False, cfg.pipe, cfg),
+                (False, True, cfg.pipe, cfg),
+                (False, False, True, pipe_cfg),
+            ):
+                ce = dict(
+                    dims,
+                    BLOCK_M=c.block_m,
+                    BLOCK_N=c.block_n,
+                    CAUSAL=causal,
+                    VARLEN=varlen,
+                    SPLIT=split,
+                    PREC=prec,
+                    PIPE=pipe,
+                    EXP16=False,
+                    ABLATE=0,
+                )
+                name = (
+                    f"fwd-{dtype}-{d1}x{d2}-causal{int(causal)}-split{int(split)}"
+                    f"-varlen{int(varlen)}-pipe{int(pipe)}"
+                )
                 out.append((name, _fwd._fwd_kernel, dtype, ce, c.num_warps, c.num_stages))
             for both in (False, True):
-                cq, ck = _config.bwd_cfgs(dims["D1P"], dims["D2P"], _torch_dtype(dtype), causal,
-                                          False, both)
+                cq, ck = _config.bwd_cfgs(dims["D1P"], dims["D2P"], _torch_dtype(dtype), causal, False, both)
                 common = dict(dims, CAUSAL=causal, VARLEN=False, PREC=prec, ABLATE=0)
                 on = (True, True) if both else (False, True)
-                out.append((f"dq-{dtype}-{d1}x{d2}-causal{int(causal)}-both{int(both)}",
-                            _bwd._bwd_dq_kernel, dtype,
-                            dict(common, BLOCK_M=cq.block_m, BLOCK_N=cq.block_n, DQ1_ON=on[0],
-                                 DQ2_ON=on[1]), cq.num_warps, cq.num_stages))
+                out.append(
+                    (
+                        f"dq-{dtype}-{d1}x{d2}-causal{int(causal)}-both{int(both)}",
+                        _bwd._bwd_dq_kernel,
+                        dtype,
+                        dict(common, BLOCK_M=cq.block_m, BLOCK_N=cq.block_n, DQ1_ON=on[0], DQ2_ON=on[1]),
+                        cq.num_warps,
+                        cq.num_stages,
+                    )
+                )
                 for fused in (False, True):
-                    out.append((f"dk-{dtype}-{d1}x{d2}-causal{int(causal)}-both{int(both)}"
-                                f"-fused{int(fused)}", _bwd._bwd_dk_kernel, dtype,
-                                dict(common, BLOCK_M=ck.block_m, BLOCK_N=ck.block_n,
-                                     DK1_ON=on[0], DK2_ON=on[1], FQ1=False, FQ2=fused,
-                                     QROWS=ck.qrows), ck.num_warps, ck.num_stages))
+                    out.append(
+                        (
+                            f"dk-{dtype}-{d1}x{d2}-causal{int(causal)}-both{int(both)}-fused{int(fused)}",
+                            _bwd._bwd_dk_kernel,
+                            dtype,
+                            dict(
+                                common,
+                                BLOCK_M=ck.block_m,
+                                BLOCK_N=ck.block_n,
+                                DK1_ON=on[0],
+                                DK2_ON=on[1],
+                                FQ1=False,
+                                FQ2=fused,
+                                QROWS=ck.qrows,
+                            ),
+                            ck.num_warps,
+                            ck.num_stages,
+                        )
+                    )
     # The key-major kernel's other tile layout (Cfg.qrows), a timing variant of
     # benchmarks/triton_tune.py, at the tile shape it was timed with.
     qrows = not _config.bwd_cfgs(128, 128, _torch_dtype("bf16"), False, False, False)[1].qrows
     bm, bn = (128, 64) if qrows else (64, 128)
-    out.append((f"dk-bf16-128x128-causal0-both0-fused0-qrows{int(qrows)}", _bwd._bwd_dk_kernel,
-                "bf16", dict(_dims(128, 128), CAUSAL=False, VARLEN=False, PREC="tf32", ABLATE=0,
-                             BLOCK_M=bm, BLOCK_N=bn, DK1_ON=False, DK2_ON=True, FQ1=False,
-                             FQ2=False, QROWS=qrows), 8, 2))
+    out.append(
+        (
+            f"dk-bf16-128x128-causal0-both0-fused0-qrows{int(qrows)}",
+            _bwd._bwd_dk_kernel,
+            "bf16",
+            dict(
+                _dims(128, 128),
+                CAUSAL=False,
+                VARLEN=False,
+                PREC="tf32",
+                ABLATE=0,
+                BLOCK_M=bm,
+                BLOCK_N=bn,
+                DK1_ON=False,
+                DK2_ON=True,
+                FQ1=False,
+                FQ2=False,
+                QROWS=qrows,
+            ),
+            8,
+            2,
+        )
+    )
     out.append(("merge", _fwd._merge_kernel, "fp32", dict(SPLITS_P=8, BLOCK_R=128), 4, 1))
     return out
 
@@ -146,8 +207,18 @@ def test_forward_ablations_remove_what_they_say():
     cfg = _config.fwd_cfg(128, 128, _torch_dtype("bf16"), False, 1 << 14, False)
     ptx = {}
     for ablate in (0, 1, 2, 3):
-        ce = dict(_dims(128, 128), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=False,
-                  VARLEN=False, SPLIT=False, PREC="tf32", PIPE=False, EXP16=False, ABLATE=ablate)
+        ce = dict(
+            _dims(128, 128),
+            BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n,
+            CAUSAL=False,
+            VARLEN=False,
+            SPLIT=False,
+            PREC="tf32",
+            PIPE=False,
+            EXP16=False,
+            ABLATE=ablate,
+        )
         ptx[ablate] = _compile(_fwd._fwd_kernel, "bf16", ce, cfg.num_warps, cfg.num_stages)
     mma = {a: _opcode_count(c, "wgmma.mma_async") for a, c in ptx.items()}
     ex2 = {a: _opcode_count(c, "ex2.approx") for a, c in ptx.items()}
@@ -163,13 +234,22 @@ def test_backward_ablations_remove_what_they_say():
     import torch
 
     cq, ck = _config.bwd_cfgs(128, 128, torch.bfloat16, False, False, False)
-    for kernel, cfg, on in ((_bwd._bwd_dq_kernel, cq, dict(DQ1_ON=False, DQ2_ON=True)),
-                            (_bwd._bwd_dk_kernel, ck, dict(DK1_ON=False, DK2_ON=True, FQ1=False,
-                                                           FQ2=False))):
+    for kernel, cfg, on in (
+        (_bwd._bwd_dq_kernel, cq, dict(DQ1_ON=False, DQ2_ON=True)),
+        (_bwd._bwd_dk_kernel, ck, dict(DK1_ON=False, DK2_ON=True, FQ1=False, FQ2=False)),
+    ):
         mma, ex2 = {}, {}
         for ablate in (0, 1, 2, 3):
-            ce = dict(_dims(128, 128), CAUSAL=False, VARLEN=False, PREC="tf32", ABLATE=ablate,
-                      BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **on)
+            ce = dict(
+                _dims(128, 128),
+                CAUSAL=False,
+                VARLEN=False,
+                PREC="tf32",
+                ABLATE=ablate,
+                BLOCK_M=cfg.block_m,
+                BLOCK_N=cfg.block_n,
+                **on,
+            )
             if kernel is _bwd._bwd_dk_kernel:
                 ce["QROWS"] = cfg.qrows
             compiled = _compile(kernel, "bf16", ce, cfg.num_warps, cfg.num_stages)
@@ -183,8 +263,9 @@ def test_backward_ablations_remove_what_they_say():
 
 def instruction_histogram(compiled) -> tuple[str, int]:
     """(hash of the sorted opcode counts, instruction count) of the PTX."""
-    ops = collections.Counter(m.group(1) for m in
-                              re.finditer(r"^\s+([a-z][a-z0-9._]+)", compiled.asm["ptx"], re.M))
+    ops = collections.Counter(
+        m.group(1) for m in re.finditer(r"^\s+([a-z][a-z0-9._]+)", compiled.asm["ptx"], re.M)
+    )
     return hashlib.sha256(repr(sorted(ops.items())).encode()).hexdigest()[:12], sum(ops.values())
 
 

@@ -13,8 +13,17 @@ from pathlib import Path
 
 import torch
 
-_PACKAGES = ("torch", "triton", "cuda-python", "cuda-bindings", "cuda-core", "nvidia-cuda-nvrtc",
-             "nvidia-cuda-nvrtc-cu12", "matplotlib", "numpy")
+_PACKAGES = (
+    "torch",
+    "triton",
+    "cuda-python",
+    "cuda-bindings",
+    "cuda-core",
+    "nvidia-cuda-nvrtc",
+    "nvidia-cuda-nvrtc-cu12",
+    "matplotlib",
+    "numpy",
+)
 
 
 def _version(name: str) -> str | None:
@@ -40,8 +49,11 @@ def git_commit(repo: Path | None = None, override: str | None = None) -> dict:
     if override:
         return {"commit": override, "dirty": None, "source": "--commit"}
     if os.environ.get("STREAMKL_BENCH_COMMIT"):
-        return {"commit": os.environ["STREAMKL_BENCH_COMMIT"], "dirty": None,
-                "source": "STREAMKL_BENCH_COMMIT"}
+        return {
+            "commit": os.environ["STREAMKL_BENCH_COMMIT"],
+            "dirty": None,
+            "source": "STREAMKL_BENCH_COMMIT",
+        }
     repo = repo or Path(__file__).resolve().parents[2]
     sha = _run(["git", "-C", str(repo), "rev-parse", "HEAD"])
     if sha:
@@ -70,9 +82,14 @@ def device_info(device: torch.device) -> dict:
             l2_cache_bytes=getattr(props, "L2_cache_size", None),
             cuda_runtime=torch.version.cuda,
         )
-        smi = _run(["nvidia-smi", f"--id={device.index or 0}",
-                    "--query-gpu=driver_version,clocks.max.sm,clocks.sm,power.limit,temperature.gpu",
-                    "--format=csv,noheader"])
+        smi = _run(
+            [
+                "nvidia-smi",
+                f"--id={device.index or 0}",
+                "--query-gpu=driver_version,clocks.max.sm,clocks.sm,power.limit,temperature.gpu",
+                "--format=csv,noheader",
+            ]
+        )
         if smi:
             fields = [f.strip() for f in smi.split(",")]
             keys = ("driver", "max_sm_clock", "sm_clock_at_start", "power_limit", "temperature_at_start")
@@ -96,8 +113,14 @@ def clocks(device: torch.device) -> dict | None:
     """SM clock, power draw and temperature now (nvidia-smi), to see throttling over a run."""
     if device.type != "cuda":
         return None
-    smi = _run(["nvidia-smi", f"--id={device.index or 0}",
-                "--query-gpu=clocks.sm,power.draw,temperature.gpu", "--format=csv,noheader"])
+    smi = _run(
+        [
+            "nvidia-smi",
+            f"--id={device.index or 0}",
+            "--query-gpu=clocks.sm,power.draw,temperature.gpu",
+            "--format=csv,noheader",
+        ]
+    )
     if not smi:
         return None
     return dict(zip(("sm_clock", "power_draw", "temperature"), (f.strip() for f in smi.split(","))))
@@ -132,7 +155,10 @@ def collect(device: torch.device, argv: list[str], commit: str | None = None) ->
         | {"torch_runtime": torch.__version__},
         "git": git_commit(override=commit),
         "device": device_info(device),
-        "env": {k: v for k, v in os.environ.items()
-                if k.startswith(("STREAMKL_", "TRITON_", "CUDA_VISIBLE", "TORCHINDUCTOR_"))},
+        "env": {
+            k: v
+            for k, v in os.environ.items()
+            if k.startswith(("STREAMKL_", "TRITON_", "CUDA_VISIBLE", "TORCHINDUCTOR_"))
+        },
         "tf32_matmul": _tf32(),
     }

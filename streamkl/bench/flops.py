@@ -46,8 +46,17 @@ def visible_pairs(nq: int, nk: int, causal: bool) -> int:
     return nk * (nk + 1) // 2
 
 
-def attn_kl_flops(b: int, h: int, nq: int, nk: int, d1: int, d2: int, causal: bool,
-                  mode: str = "fwd", setting: str | None = None) -> int:
+def attn_kl_flops(
+    b: int,
+    h: int,
+    nq: int,
+    nk: int,
+    d1: int,
+    d2: int,
+    causal: bool,
+    mode: str = "fwd",
+    setting: str | None = None,
+) -> int:
     """FLOPs of one call: mode in {"fwd", "bwd", "fwd+bwd"}; setting in SETTINGS for the
     modes with a backward. See the module docstring for the count."""
     pairs = b * h * visible_pairs(nq, nk, causal)

@@ -27,12 +27,12 @@ def dense_fp32(q1, k1, q2, k2, causal):
 
 @dataclass
 class Provider:
-    name: str                 # "streamkl-triton", "torch", "torch.compile", "gemm"
-    kind: str                 # "streamkl" | "dense" | "gemm"
+    name: str  # "streamkl-triton", "torch", "torch.compile", "gemm"
+    kind: str  # "streamkl" | "dense" | "gemm"
     backend: str | None = None
     compile_backend: str = "inductor"
     env: dict = field(default_factory=dict)  # variables set around every call (ablations)
-    variant: str = ""         # label of that env, e.g. "split_k=1"
+    variant: str = ""  # label of that env, e.g. "split_k=1"
 
     def with_variant(self, variant: str, env: dict) -> Provider:
         return Provider(self.name, self.kind, self.backend, self.compile_backend, dict(env), variant)
@@ -112,8 +112,10 @@ def discover(names: list[str] | None, compile_backend: str) -> list[Provider]:
         elif name == "gemm":
             out.append(Provider("gemm", "gemm"))
         else:
-            raise ValueError(f"unknown provider {name!r}; expected streamkl, streamkl-<backend> "
-                             f"({', '.join(STREAMKL_BACKENDS)}), torch, torch.compile or gemm")
+            raise ValueError(
+                f"unknown provider {name!r}; expected streamkl, streamkl-<backend> "
+                f"({', '.join(STREAMKL_BACKENDS)}), torch, torch.compile or gemm"
+            )
     seen, unique = set(), []
     for p in out:
         if p.name not in seen:
@@ -161,9 +163,15 @@ class GemmYardstick:
             else:
                 res = self.bench_fn(fn, est)
             flops = 2 * s**3
-            self.cache[s] = {"m": s, "n": s, "k": s, "dtype": str(self.dtype).replace("torch.", ""),
-                             "ms": res["ms"], "tflops": flops / (res["ms"] * 1e-3) / 1e12,
-                             "timer": res["timer"]}
+            self.cache[s] = {
+                "m": s,
+                "n": s,
+                "k": s,
+                "dtype": str(self.dtype).replace("torch.", ""),
+                "ms": res["ms"],
+                "tflops": flops / (res["ms"] * 1e-3) / 1e12,
+                "timer": res["timer"],
+            }
             del a, b
         return self.cache[s]
 

@@ -35,27 +35,33 @@ from .flops import SETTING_GRADS, attn_kl_flops
 from .providers import GemmYardstick, Provider, discover
 from .sweeps import Case, Sweep
 
-DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
-          "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32,
-          "float64": torch.float64}
+DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float64": torch.float64,
+}
 SCHEMA = "streamkl-bench/1"
 
 
 @dataclass
 class RunConfig:
     device: str = "cuda"
-    providers: list[str] | None = None         # None: what each sweep lists
+    providers: list[str] | None = None  # None: what each sweep lists
     compile_backend: str = "inductor"
     timing: timing.TimingConfig = field(default_factory=timing.TimingConfig)
-    time_budget_s: float = float("inf")        # stop starting measurements after this
-    max_call_s_reference: float = 1.0           # cap for streamkl-reference (it is slow by design)
+    time_budget_s: float = float("inf")  # stop starting measurements after this
+    max_call_s_reference: float = 1.0  # cap for streamkl-reference (it is slow by design)
     single_shot_s: float = 20.0
     # calls at least this long measure peak memory on their first (checked) call rather than on
     # a call of their own: no runtime autotuning allocates there, and it saves a long call
     mem_from_first_call_s: float = 1.0
     check: bool = True
     check_rows: int = 1024
-    l2_bytes: int | None = None                 # None: the device's L2 (CPU: 32 MiB)
+    l2_bytes: int | None = None  # None: the device's L2 (CPU: 32 MiB)
     max_input_sets: int = 8
     gemm_size: int = 8192
     gemm_max_size: int = 16384
@@ -70,14 +76,20 @@ class Runner:
         self.log = log
         self.t_start = time.perf_counter()
         self.results: list[dict] = []
-        self.history: dict[str, list[tuple[int, float, str]]] = {}   # provider -> (flops, s, mode)
-        self.oom_at: dict[tuple[str, str], int] = {}                 # (provider, memclass) -> logits
+        self.history: dict[str, list[tuple[int, float, str]]] = {}  # provider -> (flops, s, mode)
+        self.oom_at: dict[tuple[str, str], int] = {}  # (provider, memclass) -> logits
         self.fatal: str | None = None
         self._inputs_key = None
         self._inputs = None
         self._ref_cache: dict = {}
-        self.data = {"schema": SCHEMA, "meta": meta, "config": config_record,
-                     "gemm_yardstick": None, "gemm_yardstick_end": None, "results": self.results}
+        self.data = {
+            "schema": SCHEMA,
+            "meta": meta,
+            "config": config_record,
+            "gemm_yardstick": None,
+            "gemm_yardstick_end": None,
+            "results": self.results,
+        }
         l2 = cfg.l2_bytes
         if l2 is None:
             l2 = meta.get("device", {}).get("l2_cache_bytes") or 32 * 2**20
@@ -131,29 +143,37 @@ class Runner:
         dtype = DTYPES[case.dtype]
         h = case.h
         hk1, hk2 = case.hk1 or h, case.hk2 or h
-        shapes = [(case.b, h, case.nq, case.d1), (case.b, hk1, case.nk, case.d1),
-                  (case.b, h, case.nq, case.d2), (case.b, hk2, case.nk, case.d2)]
+        shapes = [
+            (case.b, h, case.nq, case.d1),
+            (case.b, hk1, case.nk, case.d1),
+            (case.b, h, case.nq, case.d2),
+            (case.b, hk2, case.nk, case.d2),
+        ]
         set_bytes = sum(math.prod(s) for s in shapes) * torch.empty((), dtype=dtype).element_size()
         n_sets = 1
         if set_bytes < self.l2_bytes:
             n_sets = int(min(self.cfg.max_input_sets, math.ceil(3 * self.l2_bytes / set_bytes)))
         gen = torch.Generator(device=self.device).manual_seed(self.cfg.seed)
-        sets = [tuple(torch.randn(s, generator=gen, device=self.device, dtype=dtype) for s in shapes)
-                for _ in range(n_sets)]
+        sets = [
+            tuple(torch.randn(s, generator=gen, device=self.device, dtype=dtype) for s in shapes)
+            for _ in range(n_sets)
+        ]
         self._inputs, self._inputs_key = sets, key
         return sets
 
     # ---------------------------------------------------------------- the sweep loop
     def run_sweeps(self, sweeps: list[Sweep]) -> None:
         for sw in sweeps:
-            self.log(f"== sweep {sw.name} at {self.elapsed():.0f} s: {len(sw.cases)} cases "
-                     f"({sw.description})")
+            self.log(
+                f"== sweep {sw.name} at {self.elapsed():.0f} s: {len(sw.cases)} cases ({sw.description})"
+            )
             providers = discover(self.cfg.providers or sw.providers, self.cfg.compile_backend)
             if self.cfg.providers:  # an explicit --providers list is intersected with the sweep's
                 allowed = {p.name for p in discover(sw.providers, self.cfg.compile_backend)}
                 providers = [p for p in providers if p.name in allowed]
-            all_modes = list(dict.fromkeys(
-                [*sw.modes, *(m for ms in sw.provider_modes.values() for m in ms)]))
+            all_modes = list(
+                dict.fromkeys([*sw.modes, *(m for ms in sw.provider_modes.values() for m in ms)])
+            )
             # mode-major inside a case: the reference for the check is computed once per mode
             for case in sw.cases:
                 for mode, setting in all_modes:
@@ -169,11 +189,19 @@ class Runner:
 
     # ---------------------------------------------------------------- one measurement
     def measure(self, sw: Sweep, case: Case, prov: Provider, mode: str, setting: str | None) -> dict:
-        flops = attn_kl_flops(case.b, case.h, case.nq, case.nk, case.d1, case.d2, case.causal,
-                              mode, setting)
-        rec = {"sweep": sw.name, "case": asdict(case), "case_key": case.key, "provider": prov.name,
-               "variant": prov.variant, "env": prov.env, "mode": mode, "setting": setting,
-               "flops": flops, "status": None}
+        flops = attn_kl_flops(case.b, case.h, case.nq, case.nk, case.d1, case.d2, case.causal, mode, setting)
+        rec = {
+            "sweep": sw.name,
+            "case": asdict(case),
+            "case_key": case.key,
+            "provider": prov.name,
+            "variant": prov.variant,
+            "env": prov.env,
+            "mode": mode,
+            "setting": setting,
+            "flops": flops,
+            "status": None,
+        }
         t0 = time.perf_counter()
         try:
             self._measure(sw, case, prov, mode, setting, rec)
@@ -209,8 +237,7 @@ class Runner:
             at = self.oom_at.get((prov.name, memclass))
             if at is not None and case.logits >= at:
                 rec["implied"] = True
-                return "oom", (f"implied: out of memory ({memclass}) at {at} logits "
-                               f"<= {case.logits} here")
+                return "oom", (f"implied: out of memory ({memclass}) at {at} logits <= {case.logits} here")
         proj = self.project(prov.name, mode, flops)
         if proj is not None:
             rec["projected_s"] = round(proj, 4)
@@ -221,11 +248,14 @@ class Runner:
                 return "skipped", f"projected {proj:.3g} s per call > cap {cap:g} s"
             total = self.projected_total(proj)
             if prov.name == "torch.compile":  # each measurement compiles afresh
-                total += max([r.get("compile_s") or 0 for r in self.results
-                              if r["provider"] == "torch.compile"] or [0.0])
+                total += max(
+                    [r.get("compile_s") or 0 for r in self.results if r["provider"] == "torch.compile"]
+                    or [0.0]
+                )
             if total > self.remaining():
-                return "skipped", (f"projected {total:.3g} s > {self.remaining():.3g} s "
-                                   "left of the time budget")
+                return "skipped", (
+                    f"projected {total:.3g} s > {self.remaining():.3g} s left of the time budget"
+                )
         return None
 
     def _long_call(self, rec) -> bool:
@@ -263,16 +293,21 @@ class Runner:
     def _measure(self, sw, case, prov, mode, setting, rec):
         flops = rec["flops"]
         if self.fatal:
-            rec.update(status="error",
-                       reason=f"not run: an earlier CUDA error is sticky ({self.fatal[:200]})")
+            rec.update(
+                status="error", reason=f"not run: an earlier CUDA error is sticky ({self.fatal[:200]})"
+            )
             return
         if prov.kind == "gemm":
             if self.remaining() <= 0:
                 rec.update(status="skipped", reason=f"time budget of {self.cfg.time_budget_s:g} s spent")
                 return
             g = self.gemm.for_flops(flops)
-            rec.update(status="ok", ms=g["scaled_ms"], gemm=g,
-                       timer=f"{g['m']}^3 {g['dtype']} GEMM, time scaled by FLOPs ({g['timer']})")
+            rec.update(
+                status="ok",
+                ms=g["scaled_ms"],
+                gemm=g,
+                timer=f"{g['m']}^3 {g['dtype']} GEMM, time scaled by FLOPs ({g['timer']})",
+            )
             rec["tflops"] = flops / (rec["ms"] * 1e-3) / 1e12
             return
         max_n = sw.provider_max_n.get(prov.name)
@@ -311,8 +346,13 @@ class Runner:
         if single:
             with timing.PeakMemory(self.device) as pm:
                 kl, secs = timing.wall(lambda: fn(*s0), self.device)
-            rec.update(ms=secs * 1e3, timer="single call, wall clock (synchronized)", reps=1,
-                       first_call_s=secs, mem_extra_bytes=pm.extra(timing.tensor_bytes(kl)))
+            rec.update(
+                ms=secs * 1e3,
+                timer="single call, wall clock (synchronized)",
+                reps=1,
+                first_call_s=secs,
+                mem_extra_bytes=pm.extra(timing.tensor_bytes(kl)),
+            )
             self._check(rec, case, s0, kl, None, None, None)
             return
         with timing.PeakMemory(self.device) as pm:
@@ -358,18 +398,23 @@ class Runner:
                     x = leaves(sets[0])
                     out = fn(*x)
                     grads, secs = timing.wall(
-                        lambda: torch.autograd.grad(out, [x[i] for i in idx], gout), self.device)
+                        lambda: torch.autograd.grad(out, [x[i] for i in idx], gout), self.device
+                    )
                     kl = out.detach()
                     del out, x
-            rec.update(ms=secs * 1e3, timer="single call, wall clock (synchronized)", reps=1,
-                       first_call_s=secs,
-                       mem_extra_bytes=pm.extra(timing.tensor_bytes((kl, grads))))
+            rec.update(
+                ms=secs * 1e3,
+                timer="single call, wall clock (synchronized)",
+                reps=1,
+                first_call_s=secs,
+                mem_extra_bytes=pm.extra(timing.tensor_bytes((kl, grads))),
+            )
             self._check(rec, case, sets[0], kl, grads, idx, gout, mask_rows=False)
             return
         # 1. the checked first call: upstream gradient only on the checked rows, so dk is exact
         rows = self._check_rows(case)
         gmask = torch.zeros_like(gout)
-        gmask[..., case.nq - rows:] = gout[..., case.nq - rows:]
+        gmask[..., case.nq - rows :] = gout[..., case.nq - rows :]
         with timing.PeakMemory(self.device) as pm:
             (kl, grads), secs = timing.wall(lambda: fwd_bwd(sets[0], gmask), self.device)
         rec["first_call_s"] = round(secs, 4)
@@ -410,8 +455,7 @@ class Runner:
         """(call, flops): one device-synchronized call of `prov` on `case`, built from the same
         inputs, provider callables and FLOP count as the sweeps (benchmarks/test_speed.py times
         it with pytest-benchmark). mode "bwd" times the backward alone on a retained graph."""
-        flops = attn_kl_flops(case.b, case.h, case.nq, case.nk, case.d1, case.d2, case.causal,
-                              mode, setting)
+        flops = attn_kl_flops(case.b, case.h, case.nq, case.nk, case.d1, case.d2, case.causal, mode, setting)
         s0 = self.inputs(case)[0]
         reason = prov.unsupported(s0)
         if reason is not None:
@@ -419,10 +463,12 @@ class Runner:
         fn = prov.make(case.causal)
         dev = self.device
         if mode == "fwd":
+
             def call():
                 out = fn(*s0)
                 timing.synchronize(dev)
                 return out
+
             return call, flops
         idx = SETTING_GRADS[setting]
         x = tuple(t.detach().requires_grad_(i in idx) for i, t in enumerate(s0))
@@ -430,10 +476,12 @@ class Runner:
         gen = torch.Generator(device=dev).manual_seed(self.cfg.seed + 1)
         gout = torch.randn((case.b, case.h, case.nq), generator=gen, device=dev)
         if mode == "fwd+bwd":
+
             def call():
                 out = torch.autograd.grad(fn(*x), req, gout)
                 timing.synchronize(dev)
                 return out
+
             return call, flops
         kl = fn(*x)
 
@@ -441,6 +489,7 @@ class Runner:
             out = torch.autograd.grad(kl, req, gout, retain_graph=True)
             timing.synchronize(dev)
             return out
+
         return call, flops
 
     # ---------------------------------------------------------------- correctness
@@ -504,8 +553,13 @@ class Runner:
         dtype = DTYPES[case.dtype]
         kl_rows = kl[..., -rows:].double()
         err = ((kl_rows - rkl.double()).abs() / rkl.double().abs().clamp_min(1.0)).max().item()
-        chk = {"reference": name, "rows": rows, "kl_err": err,
-               "kl_tol": kl_tolerance(dtype), "finite": bool(torch.isfinite(kl).all().item())}
+        chk = {
+            "reference": name,
+            "rows": rows,
+            "kl_err": err,
+            "kl_tol": kl_tolerance(dtype),
+            "finite": bool(torch.isfinite(kl).all().item()),
+        }
         chk["kl_ok"] = bool(err <= chk["kl_tol"]) and chk["finite"]
         if grads is not None:
             names = ["dq1", "dk1", "dq2", "dk2"]
@@ -540,8 +594,9 @@ def _one_line(rec: dict) -> str:
     c = rec["case"]
     what = f"{rec['mode']}" + (f"[{rec['setting']}]" if rec.get("setting") else "")
     prov = rec["provider"] + (f" [{rec['variant']}]" if rec.get("variant") else "")
-    shape = (f"nq={c['nq']} nk={c['nk']} causal={int(c['causal'])}"
-             + (f" {c['label']}" if c.get("label") else ""))
+    shape = f"nq={c['nq']} nk={c['nk']} causal={int(c['causal'])}" + (
+        f" {c['label']}" if c.get("label") else ""
+    )
     if rec["status"] == "ok":
         mem = rec.get("mem_extra_bytes")
         memtxt = f" mem+{mem / 2**20:.1f}MiB" if mem is not None else ""
@@ -550,8 +605,10 @@ def _one_line(rec: dict) -> str:
         if chk.get("grad_err"):
             err += f" grad_err={max(chk['grad_err'].values()):.1e}"
         bad = " CHECK-FAILED" if (chk.get("kl_ok") is False or chk.get("grad_ok") is False) else ""
-        return (f"[{rec['sweep']}] {shape} {prov} {what}: {rec['ms']:.4g} ms "
-                f"{rec.get('tflops', 0):.1f} TFLOP/s{memtxt}{err}{bad}")
+        return (
+            f"[{rec['sweep']}] {shape} {prov} {what}: {rec['ms']:.4g} ms "
+            f"{rec.get('tflops', 0):.1f} TFLOP/s{memtxt}{err}{bad}"
+        )
     return f"[{rec['sweep']}] {shape} {prov} {what}: {rec['status'].upper()} {rec.get('reason', '')[:160]}"
 
 

@@ -33,9 +33,16 @@ def is_oom(exc: BaseException) -> bool:
 def is_fatal_cuda_error(exc: BaseException) -> bool:
     """Sticky CUDA errors after which nothing more can run in this process."""
     text = str(exc).lower()
-    return any(s in text for s in ("illegal memory access", "device-side assert",
-                                   "unspecified launch failure", "misaligned address",
-                                   "illegal instruction"))
+    return any(
+        s in text
+        for s in (
+            "illegal memory access",
+            "device-side assert",
+            "unspecified launch failure",
+            "misaligned address",
+            "illegal instruction",
+        )
+    )
 
 
 @contextlib.contextmanager
@@ -120,10 +127,10 @@ class PeakMemory:
 
 @dataclass
 class TimingConfig:
-    warmup_ms: float = 25.0        # do_bench warm-up (GPU)
-    rep_ms: float = 100.0          # do_bench measuring time (GPU)
-    repeats: int = 5               # CPU repeats; cap on event-timed repeats for long calls
-    cpu_warmup: int = 1            # CPU warm-up calls beyond the first (checked) call
+    warmup_ms: float = 25.0  # do_bench warm-up (GPU)
+    rep_ms: float = 100.0  # do_bench measuring time (GPU)
+    repeats: int = 5  # CPU repeats; cap on event-timed repeats for long calls
+    cpu_warmup: int = 1  # CPU warm-up calls beyond the first (checked) call
     # above this, CUDA events instead of do_bench: do_bench repeats a call rep_ms / est times
     # after five estimate calls, so a 200 ms call would be measured once
     event_threshold_s: float = 0.02
@@ -141,8 +148,12 @@ def bench(fn, device: torch.device, est_s: float, cfg: TimingConfig) -> dict:
                 do_bench = None
             if do_bench is not None:
                 ms = do_bench(fn, warmup=cfg.warmup_ms, rep=cfg.rep_ms, return_mode="median")
-                return {"ms": float(ms), "timer":
-                        f"triton.testing.do_bench(warmup={cfg.warmup_ms:g}ms, rep={cfg.rep_ms:g}ms, median)"}
+                return {
+                    "ms": float(ms),
+                    "timer": (
+                        f"triton.testing.do_bench(warmup={cfg.warmup_ms:g}ms, rep={cfg.rep_ms:g}ms, median)"
+                    ),
+                }
         reps = int(max(1, min(cfg.repeats, cfg.long_rep_budget_s // max(est_s, 1e-9))))
         if est_s <= cfg.event_threshold_s:  # no triton: do_bench's job by hand
             reps = max(reps, int(cfg.rep_ms / 1e3 / max(est_s, 1e-9)))
@@ -160,8 +171,11 @@ def bench(fn, device: torch.device, est_s: float, cfg: TimingConfig) -> dict:
             end.synchronize()
             times.append(start.elapsed_time(end))
         del flush
-        return {"ms": statistics.median(times), "timer": f"cuda events, L2 flushed, median of {reps}",
-                "reps": reps}
+        return {
+            "ms": statistics.median(times),
+            "timer": f"cuda events, L2 flushed, median of {reps}",
+            "reps": reps,
+        }
     reps = int(max(1, min(cfg.repeats, cfg.long_rep_budget_s // max(est_s, 1e-9))))
     for _ in range(cfg.cpu_warmup if est_s < 1.0 else 0):
         fn()

@@ -111,14 +111,21 @@ def forward(q1, k1, q2, k2, *, causal, scale1, scale2, cu_seqlens=None, max_seql
     for start, end in _segments(cu_seqlens, nq):
         seq = slice(start, end) if cu_seqlens is not None else slice(None)
         _forward_dense_rows(
-            q1[:, :, seq], k1[:, :, seq], q2[:, :, seq], k2[:, :, seq], causal, scale1, scale2,
-            kl[:, :, seq], lse1[:, :, seq], lse2[:, :, seq],
+            q1[:, :, seq],
+            k1[:, :, seq],
+            q2[:, :, seq],
+            k2[:, :, seq],
+            causal,
+            scale1,
+            scale2,
+            kl[:, :, seq],
+            lse1[:, :, seq],
+            lse2[:, :, seq],
         )
     return kl, lse1, lse2
 
 
-def _backward_dense_rows(grad, q1, k1, q2, k2, kl, lse1, lse2, causal, scale1, scale2, needs,
-                         grads):
+def _backward_dense_rows(grad, q1, k1, q2, k2, kl, lse1, lse2, causal, scale1, scale2, needs, grads):
     b, h, nq, _ = q1.shape
     nk = k1.shape[2]
     dtype = grads[4]
@@ -166,20 +173,44 @@ def _accumulate(ds, q, k, rows, scale, need_dq, need_dk, dq, dk):
         dk += scale * torch.matmul(ds_grouped.transpose(-1, -2), qc).sum(2)
 
 
-def backward(grad_kl, q1, k1, q2, k2, kl, lse1, lse2, *, causal, scale1, scale2,
-             cu_seqlens=None, max_seqlen=None, needs=(True, True, True, True)):
+def backward(
+    grad_kl,
+    q1,
+    k1,
+    q2,
+    k2,
+    kl,
+    lse1,
+    lse2,
+    *,
+    causal,
+    scale1,
+    scale2,
+    cu_seqlens=None,
+    max_seqlen=None,
+    needs=(True, True, True, True),
+):
     dtype = _compute_dtype(q1, q2)
     inputs = (q1, k1, q2, k2)
     # Accumulate in the compute dtype; cast to each input's dtype once at the end.
-    acc = [torch.zeros(t.shape, dtype=dtype, device=t.device) if need else None
-           for t, need in zip(inputs, needs)]
+    acc = [
+        torch.zeros(t.shape, dtype=dtype, device=t.device) if need else None for t, need in zip(inputs, needs)
+    ]
     if k1.shape[2] > 0 and any(needs):
         nq = q1.shape[2]
         for start, end in _segments(cu_seqlens, nq):
             seq = slice(start, end) if cu_seqlens is not None else slice(None)
             part = [None if t is None else t[:, :, seq] for t in (*inputs, *acc)]
             _backward_dense_rows(
-                grad_kl[:, :, seq], *part[:4], kl[:, :, seq], lse1[:, :, seq], lse2[:, :, seq],
-                causal, scale1, scale2, needs, part[4:] + [dtype],
+                grad_kl[:, :, seq],
+                *part[:4],
+                kl[:, :, seq],
+                lse1[:, :, seq],
+                lse2[:, :, seq],
+                causal,
+                scale1,
+                scale2,
+                needs,
+                part[4:] + [dtype],
             )
     return tuple(None if a is None else a.to(t.dtype) for a, t in zip(acc, inputs))

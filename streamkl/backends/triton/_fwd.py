@@ -81,10 +81,12 @@ def _store_result(KL, LSE1, LSE2, offs, mask, m1, l1, m2, l2, acc):
     l2s = tl.where(seen, l2, 1.0)
     kl = (acc / l1s + (m2 - m1) + tl.math.log2(l2s) - tl.math.log2(l1s)) * 0.6931471805599453
     tl.store(KL + offs, tl.where(seen, kl, 0.0), mask=mask)
-    tl.store(LSE1 + offs, tl.where(seen, (m1 + tl.math.log2(l1s)) * 0.6931471805599453,
-                                   float("-inf")), mask=mask)
-    tl.store(LSE2 + offs, tl.where(seen, (m2 + tl.math.log2(l2s)) * 0.6931471805599453,
-                                   float("-inf")), mask=mask)
+    tl.store(
+        LSE1 + offs, tl.where(seen, (m1 + tl.math.log2(l1s)) * 0.6931471805599453, float("-inf")), mask=mask
+    )
+    tl.store(
+        LSE2 + offs, tl.where(seen, (m2 + tl.math.log2(l2s)) * 0.6931471805599453, float("-inf")), mask=mask
+    )
 
 
 @triton.jit
@@ -128,8 +130,7 @@ def _fwd_inner_pipe(
             k2n = load_tile(K2, nn, hi, stride_k2n, stride_k2d, BLOCK_N, D2, D2P, False)
             s1n = tl.dot(q1, tl.trans(k1n), input_precision=PREC)
             s2n = tl.dot(q2, tl.trans(k2n), input_precision=PREC)
-            m1, l1, m2, l2, acc = _online_step(m1, l1, m2, l2, acc, s1 * c1, s2 * c2, 0, False,
-                                               EXP16)
+            m1, l1, m2, l2, acc = _online_step(m1, l1, m2, l2, acc, s1 * c1, s2 * c2, 0, False, EXP16)
             s1 = s1n
             s2 = s2n
     return m1, l1, m2, l2, acc
@@ -281,17 +282,93 @@ def _fwd_kernel(
     acc = tl.zeros([BLOCK_M], tl.float32)
     if PIPE:
         m1, l1, m2, l2, acc = _fwd_inner_pipe(
-            m1, l1, m2, l2, acc, q1, q2, K1, K2, sk1n, sk1d, sk2n, sk2d, lo, mid, c1, c2, D1, D2,
-            D1P, D2P, BLOCK_N, PREC, EXP16,
+            m1,
+            l1,
+            m2,
+            l2,
+            acc,
+            q1,
+            q2,
+            K1,
+            K2,
+            sk1n,
+            sk1d,
+            sk2n,
+            sk2d,
+            lo,
+            mid,
+            c1,
+            c2,
+            D1,
+            D2,
+            D1P,
+            D2P,
+            BLOCK_N,
+            PREC,
+            EXP16,
         )
     else:
         m1, l1, m2, l2, acc = _fwd_inner(
-            m1, l1, m2, l2, acc, q1, q2, K1, K2, sk1n, sk1d, sk2n, sk2d, lo, mid, offs_m, k_len,
-            diag, c1, c2, D1, D2, D1P, D2P, BLOCK_N, False, CAUSAL, PREC, ABLATE,
+            m1,
+            l1,
+            m2,
+            l2,
+            acc,
+            q1,
+            q2,
+            K1,
+            K2,
+            sk1n,
+            sk1d,
+            sk2n,
+            sk2d,
+            lo,
+            mid,
+            offs_m,
+            k_len,
+            diag,
+            c1,
+            c2,
+            D1,
+            D2,
+            D1P,
+            D2P,
+            BLOCK_N,
+            False,
+            CAUSAL,
+            PREC,
+            ABLATE,
         )
     m1, l1, m2, l2, acc = _fwd_inner(
-        m1, l1, m2, l2, acc, q1, q2, K1, K2, sk1n, sk1d, sk2n, sk2d, mid, hi, offs_m, k_len, diag,
-        c1, c2, D1, D2, D1P, D2P, BLOCK_N, True, CAUSAL, PREC, ABLATE,
+        m1,
+        l1,
+        m2,
+        l2,
+        acc,
+        q1,
+        q2,
+        K1,
+        K2,
+        sk1n,
+        sk1d,
+        sk2n,
+        sk2d,
+        mid,
+        hi,
+        offs_m,
+        k_len,
+        diag,
+        c1,
+        c2,
+        D1,
+        D2,
+        D1P,
+        D2P,
+        BLOCK_N,
+        True,
+        CAUSAL,
+        PREC,
+        ABLATE,
     )
 
     row = (b64 * H + h) * NQ + seq64 + offs_m

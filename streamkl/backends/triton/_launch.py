@@ -94,8 +94,27 @@ def forward(q1, k1, q2, k2, *, causal, scale1, scale2, cu_seqlens, max_seqlen):
         splits = triton.cdiv(nk, split_len)
         part = torch.empty((5, splits, B, H, NQ), device=dev, dtype=torch.float32)
     _fwd_kernel[(m_tiles * splits, H, zdim)](
-        q1, k1, q2, k2, kl, lse1, lse2, part, cu, *_strides(q1, k1, q2, k2),
-        H, NQ, NK, g1, g2, c1, c2, split_len, splits, SPLIT=splits > 1, **common,
+        q1,
+        k1,
+        q2,
+        k2,
+        kl,
+        lse1,
+        lse2,
+        part,
+        cu,
+        *_strides(q1, k1, q2, k2),
+        H,
+        NQ,
+        NK,
+        g1,
+        g2,
+        c1,
+        c2,
+        split_len,
+        splits,
+        SPLIT=splits > 1,
+        **common,
     )
     if splits == 1:
         return kl, lse1, lse2

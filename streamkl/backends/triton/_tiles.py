@@ -9,15 +9,23 @@ import triton.language as tl
 
 
 @triton.jit
-def load_tile(base, r0, n_rows, stride_r, stride_d, BLOCK: tl.constexpr, D: tl.constexpr,
-              DP: tl.constexpr, MASK_ROWS: tl.constexpr):
+def load_tile(
+    base,
+    r0,
+    n_rows,
+    stride_r,
+    stride_d,
+    BLOCK: tl.constexpr,
+    D: tl.constexpr,
+    DP: tl.constexpr,
+    MASK_ROWS: tl.constexpr,
+):
     """[BLOCK, DP] tile: rows r0 .. r0+BLOCK-1 of a (rows, D) matrix at `base`, columns past D
     (the pow2 padding of the head dim) read as 0, and with MASK_ROWS rows >= n_rows too. The
     row offset is formed in int64: r0 * stride_r passes 2^31 for long (B, N, H, D) inputs."""
     offs_r = tl.arange(0, BLOCK)
     offs_d = tl.arange(0, DP)
-    ptrs = base + tl.cast(r0, tl.int64) * stride_r + (offs_r[:, None] * stride_r
-                                                     + offs_d[None, :] * stride_d)
+    ptrs = base + tl.cast(r0, tl.int64) * stride_r + (offs_r[:, None] * stride_r + offs_d[None, :] * stride_d)
     if MASK_ROWS:
         rmask = (r0 + offs_r) < n_rows
         tile = tl.load(ptrs, mask=rmask[:, None] & (offs_d[None, :] < D), other=0.0)
@@ -57,8 +65,7 @@ def sequence(CU, z, NQ, NK, VARLEN: tl.constexpr):
 
 
 @triton.jit
-def key_range(start_m, k_len, diag, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              CAUSAL: tl.constexpr):
+def key_range(start_m, k_len, diag, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
     """Keys a query tile starting at start_m visits: [0, mid) is seen by every row of the tile
     (no mask), [mid, hi) needs the mask; hi stops at the causal frontier of the tile's last row,
     so keys past it are never loaded."""
