@@ -1,9 +1,10 @@
-"""Validation that holds for every backend (SPEC section 5): runs before any kernel, raises
-ValueError/TypeError naming the argument and what was expected."""
+"""Validation that holds for every backend (docs/contract.md, Errors): runs before any kernel,
+raises ValueError/TypeError naming the argument and what was expected."""
 
 from __future__ import annotations
 
 import math
+import weakref
 from typing import NamedTuple
 
 import torch
@@ -71,7 +72,9 @@ def check_inputs(q1, k1, q2, k2, cu_seqlens=None, max_seqlen=None) -> Problem:
             raise ValueError(f"{name} has {hk} heads; the {h} query heads must be a multiple of it")
     if cu_seqlens is not None:
         _check_cu_seqlens_meta(cu_seqlens, b, nq, nk, q1.device)
-        if max_seqlen is not None and (not isinstance(max_seqlen, int) or max_seqlen < 0):
+        if max_seqlen is not None and (
+            isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 0
+        ):
             raise ValueError(f"max_seqlen must be a non-negative int, got {max_seqlen!r}")
     elif max_seqlen is not None:
         raise ValueError("max_seqlen is only meaningful with cu_seqlens")
@@ -99,7 +102,7 @@ def _check_cu_seqlens_meta(cu_seqlens, b, nq, nk, device) -> None:
         )
 
 
-def check_cu_seqlens_values(cu_seqlens, total: int) -> int:
+def _read_cu_seqlens(cu_seqlens, total: int) -> int:
     """Reads cu_seqlens (one host sync): starts at 0, never decreases, ends at the total length.
     Returns the longest sequence."""
     offsets = cu_seqlens.tolist()
@@ -113,11 +116,57 @@ def check_cu_seqlens_values(cu_seqlens, total: int) -> int:
     return max(lengths)
 
 
-def check_call(q1, k1, q2, k2, *, scale1, scale2, reduction, cu_seqlens, max_seqlen):
-    """Everything checkable from metadata for one public call: (problem, scale1, scale2)."""
+# id(cu_seqlens) -> (weak reference, version counter, longest sequence) of offsets already read,
+# so that a packed batch reused across layers, and every backward, never sync again.
+_CHECKED_OFFSETS: dict[int, tuple[weakref.ref, int, int]] = {}
+
+
+def resolve_max_seqlen(cu_seqlens, max_seqlen: int | None, total: int) -> int | None:
+    """The longest packed sequence the kernels must cover (max_seqlen, else the longest one).
+
+    A cu_seqlens tensor is read on the host (one sync) the first time it is seen, and again only
+    after an in-place change; while a CUDA graph is being captured nothing is read, and then
+    max_seqlen is required (docs/contract.md, Packed sequences)."""
+    if cu_seqlens is None:
+        return None
+    key = id(cu_seqlens)
+    entry = _CHECKED_OFFSETS.get(key)
+    if entry is not None and entry[0]() is cu_seqlens and entry[1] == cu_seqlens._version:
+        longest = entry[2]
+    elif cu_seqlens.is_cuda and torch.cuda.is_current_stream_capturing():
+        if max_seqlen is None:
+            raise ValueError(
+                "cu_seqlens under CUDA graph capture needs max_seqlen: reading the offsets to find "
+                "the longest sequence would synchronize the device"
+            )
+        return max_seqlen
+    else:
+        longest = _read_cu_seqlens(cu_seqlens, total)
+        _CHECKED_OFFSETS[key] = (weakref.ref(cu_seqlens), cu_seqlens._version, longest)
+        weakref.finalize(cu_seqlens, _CHECKED_OFFSETS.pop, key, None)
+    if max_seqlen is None:
+        return longest
+    if max_seqlen < longest:
+        raise ValueError(
+            f"max_seqlen={max_seqlen} is shorter than the longest sequence in cu_seqlens "
+            f"({longest}); nothing is truncated, so pass at least {longest}"
+        )
+    return max_seqlen
+
+
+def check_options(causal, scale1, scale2, reduction, d1: int, d2: int) -> tuple[float, float]:
+    """The non-tensor arguments of a call; returns the resolved scales."""
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     check_reduction(reduction)
+    return resolve_scale(scale1, d1, "scale1"), resolve_scale(scale2, d2, "scale2")
+
+
+def check_call(q1, k1, q2, k2, *, causal, scale1, scale2, reduction, cu_seqlens, max_seqlen):
+    """Everything checkable from metadata for one public call: (problem, scale1, scale2)."""
     problem = check_inputs(q1, k1, q2, k2, cu_seqlens, max_seqlen)
-    return (problem, resolve_scale(scale1, problem.d1, "scale1"), resolve_scale(scale2, problem.d2, "scale2"))
+    scale1, scale2 = check_options(causal, scale1, scale2, reduction, problem.d1, problem.d2)
+    return problem, scale1, scale2
 
 
 def resolve_scale(scale, head_dim: int, name: str) -> float:

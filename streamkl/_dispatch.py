@@ -1,6 +1,6 @@
 """Backend choice. An explicitly named backend never falls back silently: if it cannot run the
-inputs it raises, saying why and which backends can. `auto` takes the fastest that can
-(cuda on sm_90 > triton > reference) and so never fails where the reference could run."""
+inputs it raises, saying why and which backends can. `auto` takes the fastest that can and so
+never fails where the reference could run (docs/contract.md, Backends)."""
 
 from __future__ import annotations
 
@@ -8,46 +8,60 @@ import importlib
 
 from . import _env
 
-# Fastest first: the order auto tries them in.
-_MODULES = {
+# The one list of backends, fastest first: the order auto tries them in. A new backend is a
+# package with supports/forward/backward (streamkl/backends/__init__.py) and a line here.
+BACKENDS = {
     "cuda": "streamkl.backends.cuda",
     "triton": "streamkl.backends.triton",
     "reference": "streamkl.reference",
 }
+CHOICES = ("auto", *BACKENDS)
 
 
-def _module(name: str):
-    return importlib.import_module(_MODULES[name])
+def module(name: str):
+    """The backend package `name` (imported on first use)."""
+    return importlib.import_module(BACKENDS[name])
 
 
 def why_not(name: str, q1, k1, q2, k2, cu_seqlens=None) -> str | None:
     """None when backend `name` can run these inputs, else the reason."""
     try:
-        module = _module(name)
+        backend = module(name)
     except ImportError as exc:  # a backend package missing from this install
         return f"it could not be imported ({exc})"
-    return module.supports(q1, k1, q2, k2, cu_seqlens)
+    return backend.supports(q1, k1, q2, k2, cu_seqlens)
 
 
 def available_backends(q1, k1, q2, k2, cu_seqlens=None) -> dict[str, str | None]:
     """Backend name -> None if it can run these inputs, else why not."""
-    return {name: why_not(name, q1, k1, q2, k2, cu_seqlens) for name in _MODULES}
+    return {name: why_not(name, q1, k1, q2, k2, cu_seqlens) for name in BACKENDS}
+
+
+def check_name(backend: str | None) -> str:
+    """The backend a call asks for: `backend`, else STREAMKL_BACKEND; a clear error if unknown."""
+    if backend is None:
+        name = _env.backend()
+        if name not in CHOICES:
+            raise ValueError(
+                f"STREAMKL_BACKEND={name!r} is not a backend; expected one of {', '.join(CHOICES)}"
+            )
+        return name
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be a str or None, got {type(backend).__name__}")
+    if backend not in CHOICES:
+        raise ValueError(f"backend={backend!r} is not a backend; expected one of {', '.join(CHOICES)}")
+    return backend
 
 
 def select(q1, k1, q2, k2, cu_seqlens=None, backend: str | None = None):
     """The backend module to run; `backend` overrides STREAMKL_BACKEND."""
-    if backend is None or backend == "auto":
-        name = _env.backend() if backend is None else "auto"
-    elif backend in _env.BACKENDS:
-        name = backend
-    else:
-        raise ValueError(f"backend={backend!r} is not a backend; expected one of {', '.join(_env.BACKENDS)}")
+    name = check_name(backend)
     if name == "auto":
         if q1.device.type == "cpu":  # triton runs CPU tensors only in its (slow) interpreter
-            return _module("reference")
-        for candidate in _MODULES:
+            return module("reference")
+        for candidate in BACKENDS:
             if why_not(candidate, q1, k1, q2, k2, cu_seqlens) is None:
-                return _module(candidate)
+                return module(candidate)
         raise AssertionError("the reference backend runs every validated input")
     reason = why_not(name, q1, k1, q2, k2, cu_seqlens)
     if reason is not None:
@@ -55,4 +69,4 @@ def select(q1, k1, q2, k2, cu_seqlens=None, backend: str | None = None):
         raise ValueError(
             f"backend {name!r} cannot run these inputs: {reason}. Backends that can: {', '.join(able)}"
         )
-    return _module(name)
+    return module(name)

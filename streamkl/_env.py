@@ -1,27 +1,34 @@
-"""Every STREAMKL_* environment variable, read when used (never frozen at import)."""
+"""Every STREAMKL_* environment variable, read when a call uses it (never frozen at import).
+
+Each reader raises ValueError naming the variable when its value is not one it accepts;
+`check_all` runs every reader, so a call rejects a bad value even of a variable that only
+another backend reads.
+"""
 
 from __future__ import annotations
 
 import os
 
-BACKENDS = ("auto", "reference", "triton", "cuda")
+
+def _read(name: str, default: str) -> str:
+    return os.environ.get(name, default).strip().lower() or default
 
 
 def backend() -> str:
-    """STREAMKL_BACKEND: auto (default) | reference | triton | cuda."""
-    name = os.environ.get("STREAMKL_BACKEND", "auto").strip().lower() or "auto"
-    if name not in BACKENDS:
-        raise ValueError(f"STREAMKL_BACKEND={name!r} is not a backend; expected one of {', '.join(BACKENDS)}")
-    return name
+    """STREAMKL_BACKEND: auto (default) or a backend name; streamkl._dispatch checks the name."""
+    return _read("STREAMKL_BACKEND", "auto")
 
 
 def reference_chunk() -> int | None:
     """STREAMKL_REFERENCE_CHUNK: query rows per chunk of the reference backend (default: sized
-    so that one chunk's logits take about 64 MiB)."""
-    value = os.environ.get("STREAMKL_REFERENCE_CHUNK")
-    if value is None or value == "":
+    from the problem, docs/contract.md, Memory)."""
+    value = os.environ.get("STREAMKL_REFERENCE_CHUNK", "").strip()
+    if value == "":
         return None
-    chunk = int(value)
+    try:
+        chunk = int(value)
+    except ValueError:
+        chunk = 0
     if chunk < 1:
         raise ValueError(f"STREAMKL_REFERENCE_CHUNK must be a positive integer, got {value!r}")
     return chunk
@@ -35,8 +42,8 @@ def triton_interpret() -> bool:
 def triton_split_k() -> int | None:
     """STREAMKL_TRITON_SPLIT_K: auto (default: the measured rule) | off | N (force N key splits
     in the triton forward; 1 and off mean no split)."""
-    value = os.environ.get("STREAMKL_TRITON_SPLIT_K", "auto").strip().lower()
-    if value in ("", "auto"):
+    value = _read("STREAMKL_TRITON_SPLIT_K", "auto")
+    if value == "auto":
         return None
     if value in ("off", "0", "none"):
         return 1
@@ -51,7 +58,14 @@ def triton_split_k() -> int | None:
 
 def triton_bwd() -> str:
     """STREAMKL_TRITON_BWD: auto (default: the measured rule) | fused | separate."""
-    value = os.environ.get("STREAMKL_TRITON_BWD", "auto").strip().lower() or "auto"
+    value = _read("STREAMKL_TRITON_BWD", "auto")
     if value not in ("auto", "fused", "separate"):
         raise ValueError(f"STREAMKL_TRITON_BWD must be auto, fused or separate, got {value!r}")
     return value
+
+
+def check_all() -> None:
+    """Reads every variable, so a bad value fails the call before any kernel runs."""
+    reference_chunk()
+    triton_split_k()
+    triton_bwd()

@@ -1,4 +1,4 @@
-"""torch.library registration: schemas, fake functions and autograd, torch-only.
+"""The op: torch.library registration (schemas, fakes, autograd) and the eager fast path.
 
     streamkl::attn_kl_fwd  -> (kl, lse1, lse2)      the fused forward (differentiable in kl)
     streamkl::attn_kl_bwd  -> (dq1, dk1, dq2, dk2)  recompute backward; an unneeded gradient
@@ -7,6 +7,10 @@
                            compiled graph holds the two ops above and the reduction)
 
 Fakes depend only on shapes and dtypes, so a compiled graph is valid whatever backend runs.
+Each call is validated once: by `attn_kl` before it runs anything eagerly, and, when traced, by
+the ops themselves (fake at trace time, real at run time). An eager call with plain tensors
+skips the dispatcher: an autograd.Function calls the backend directly, the same functions the
+ops call, so the two paths compute the same thing.
 """
 
 from __future__ import annotations
@@ -14,24 +18,52 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import _checks, _dispatch
+from . import _checks, _dispatch, _env
 
 
 def _out_dtype(*tensors: Tensor) -> torch.dtype:
     return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
-def _resolve_varlen(cu_seqlens, max_seqlen, nq):
-    """Value checks of cu_seqlens (one host sync) and the longest sequence."""
-    if cu_seqlens is None:
-        return None
-    longest = _checks.check_cu_seqlens_values(cu_seqlens, nq)
-    if max_seqlen is not None and max_seqlen < longest:
-        raise ValueError(
-            f"max_seqlen={max_seqlen} is shorter than the longest sequence in "
-            f"cu_seqlens ({longest}); nothing is truncated, so pass at least {longest}"
-        )
-    return longest if max_seqlen is None else max_seqlen
+def _forward(module, q1, k1, q2, k2, causal, scale1, scale2, cu_seqlens, max_seqlen):
+    kl, lse1, lse2 = module.forward(
+        q1,
+        k1,
+        q2,
+        k2,
+        causal=causal,
+        scale1=scale1,
+        scale2=scale2,
+        cu_seqlens=cu_seqlens,
+        max_seqlen=max_seqlen,
+    )
+    dtype = _out_dtype(q1, q2)
+    return kl.to(dtype), lse1.to(dtype), lse2.to(dtype)
+
+
+def _backward(
+    module, grad_kl, q1, k1, q2, k2, kl, lse1, lse2, causal, scale1, scale2, cu_seqlens, max_seqlen, needs
+):
+    grad_kl = grad_kl.to(torch.float64 if kl.dtype == torch.float64 else torch.float32).contiguous()
+    return module.backward(
+        grad_kl,
+        q1,
+        k1,
+        q2,
+        k2,
+        kl,
+        lse1,
+        lse2,
+        causal=causal,
+        scale1=scale1,
+        scale2=scale2,
+        cu_seqlens=cu_seqlens,
+        max_seqlen=max_seqlen,
+        needs=tuple(needs),
+    )
+
+
+# --- the registered ops (torch.compile, torch.export, opcheck) ----------------------------------
 
 
 @torch.library.custom_op("streamkl::attn_kl_fwd", mutates_args=())
@@ -48,21 +80,10 @@ def attn_kl_fwd(
     backend: str | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     problem = _checks.check_inputs(q1, k1, q2, k2, cu_seqlens, max_seqlen)
-    max_seqlen = _resolve_varlen(cu_seqlens, max_seqlen, problem.nq)
+    _env.check_all()
+    max_seqlen = _checks.resolve_max_seqlen(cu_seqlens, max_seqlen, problem.nq)
     module = _dispatch.select(q1, k1, q2, k2, cu_seqlens, backend)
-    kl, lse1, lse2 = module.forward(
-        q1,
-        k1,
-        q2,
-        k2,
-        causal=causal,
-        scale1=scale1,
-        scale2=scale2,
-        cu_seqlens=cu_seqlens,
-        max_seqlen=max_seqlen,
-    )
-    dtype = _out_dtype(q1, q2)
-    return kl.to(dtype), lse1.to(dtype), lse2.to(dtype)
+    return _forward(module, q1, k1, q2, k2, causal, scale1, scale2, cu_seqlens, max_seqlen)
 
 
 @attn_kl_fwd.register_fake
@@ -91,24 +112,11 @@ def attn_kl_bwd(
     needs: list[bool],
     backend: str | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    problem = _checks.check_inputs(q1, k1, q2, k2, cu_seqlens, max_seqlen)
-    max_seqlen = _resolve_varlen(cu_seqlens, max_seqlen, problem.nq)
+    # Takes what attn_kl_fwd saved: validated then; offsets already read stay cached.
+    max_seqlen = _checks.resolve_max_seqlen(cu_seqlens, max_seqlen, q1.shape[2])
     module = _dispatch.select(q1, k1, q2, k2, cu_seqlens, backend)
-    grads = module.backward(
-        grad_kl.float().contiguous() if kl.dtype != torch.float64 else grad_kl.contiguous(),
-        q1,
-        k1,
-        q2,
-        k2,
-        kl,
-        lse1,
-        lse2,
-        causal=causal,
-        scale1=scale1,
-        scale2=scale2,
-        cu_seqlens=cu_seqlens,
-        max_seqlen=max_seqlen,
-        needs=tuple(needs),
+    grads = _backward(
+        module, grad_kl, q1, k1, q2, k2, kl, lse1, lse2, causal, scale1, scale2, cu_seqlens, max_seqlen, needs
     )
     return tuple(g if g is not None else t.new_empty(0) for g, t in zip(grads, (q1, k1, q2, k2)))
 
@@ -142,7 +150,7 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(lse1, lse2)  # internal outputs: only kl carries a gradient
 
 
-def _backward(ctx, grad_kl, grad_lse1, grad_lse2):
+def _op_backward(ctx, grad_kl, grad_lse1, grad_lse2):
     q1, k1, q2, k2, kl, lse1, lse2, cu_seqlens = ctx.saved_tensors
     causal, scale1, scale2, max_seqlen, backend = ctx.args
     needs = list(ctx.needs_input_grad[:4])
@@ -167,18 +175,59 @@ def _backward(ctx, grad_kl, grad_lse1, grad_lse2):
     return (*grads, None, None, None, None, None, None)
 
 
-attn_kl_fwd.register_autograd(_backward, setup_context=_setup_context)
+attn_kl_fwd.register_autograd(_op_backward, setup_context=_setup_context)
 
 
-_lib = torch.library.Library("streamkl", "FRAGMENT")
-_lib.define(
-    "attn_kl(Tensor q1, Tensor k1, Tensor q2, Tensor k2, *, bool causal=False, "
-    "float? scale1=None, float? scale2=None, str reduction='none', Tensor? cu_seqlens=None, "
-    "int? max_seqlen=None, str? backend=None) -> Tensor"
-)
+# --- the eager fast path --------------------------------------------------------------------
 
 
-def _attn_kl(
+class _AttnKL(torch.autograd.Function):
+    """attn_kl_fwd / attn_kl_bwd without the dispatcher, for validated eager calls."""
+
+    @staticmethod
+    def forward(ctx, module, q1, k1, q2, k2, causal, scale1, scale2, cu_seqlens, max_seqlen):
+        kl, lse1, lse2 = _forward(module, q1, k1, q2, k2, causal, scale1, scale2, cu_seqlens, max_seqlen)
+        ctx.save_for_backward(q1, k1, q2, k2, kl, lse1, lse2, cu_seqlens)
+        ctx.args = (module, causal, scale1, scale2, max_seqlen)
+        return kl
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_kl):
+        q1, k1, q2, k2, kl, lse1, lse2, cu_seqlens = ctx.saved_tensors
+        module, causal, scale1, scale2, max_seqlen = ctx.args
+        needs = ctx.needs_input_grad[1:5]
+        grads = _backward(
+            module,
+            grad_kl,
+            q1,
+            k1,
+            q2,
+            k2,
+            kl,
+            lse1,
+            lse2,
+            causal,
+            scale1,
+            scale2,
+            cu_seqlens,
+            max_seqlen,
+            needs,
+        )
+        return (None, *grads, None, None, None, None, None)
+
+
+def _plain(*tensors) -> bool:
+    """True when nothing traces or intercepts the call: exact torch.Tensor inputs, no compile,
+    no dispatch mode (opcheck, FakeTensorMode, make_fx). Only then is the fast path taken."""
+    return (
+        not torch.compiler.is_compiling()
+        and all(type(t) is Tensor for t in tensors if t is not None)
+        and torch._C._len_torch_dispatch_stack() == 0
+    )
+
+
+def attn_kl(
     q1,
     k1,
     q2,
@@ -192,18 +241,27 @@ def _attn_kl(
     max_seqlen=None,
     backend=None,
 ):
+    """The public op's body (docstring in streamkl/api.py)."""
     problem, scale1, scale2 = _checks.check_call(
         q1,
         k1,
         q2,
         k2,
+        causal=causal,
         scale1=scale1,
         scale2=scale2,
         reduction=reduction,
         cu_seqlens=cu_seqlens,
         max_seqlen=max_seqlen,
     )
-    kl, _, _ = attn_kl_fwd(q1, k1, q2, k2, causal, scale1, scale2, cu_seqlens, max_seqlen, backend)
+    if _plain(q1, k1, q2, k2, cu_seqlens):
+        _env.check_all()
+        max_seqlen = _checks.resolve_max_seqlen(cu_seqlens, max_seqlen, problem.nq)
+        module = _dispatch.select(q1, k1, q2, k2, cu_seqlens, backend)
+        kl = _AttnKL.apply(module, q1, k1, q2, k2, causal, scale1, scale2, cu_seqlens, max_seqlen)
+    else:
+        _dispatch.check_name(backend)
+        kl, _, _ = attn_kl_fwd(q1, k1, q2, k2, causal, scale1, scale2, cu_seqlens, max_seqlen, backend)
     if reduction == "none":
         return kl
     total = kl.sum()
@@ -213,4 +271,10 @@ def _attn_kl(
     return total / max(_checks.visible_rows(problem, causal, cu_seqlens is not None), 1)
 
 
-_lib.impl("attn_kl", _attn_kl, "CompositeImplicitAutograd")
+_lib = torch.library.Library("streamkl", "FRAGMENT")
+_lib.define(
+    "attn_kl(Tensor q1, Tensor k1, Tensor q2, Tensor k2, *, bool causal=False, "
+    "float? scale1=None, float? scale2=None, str reduction='none', Tensor? cu_seqlens=None, "
+    "int? max_seqlen=None, str? backend=None) -> Tensor"
+)
+_lib.impl("attn_kl", attn_kl, "CompositeImplicitAutograd")

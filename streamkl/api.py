@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
-from . import _checks, _ops  # noqa: F401  (_ops registers torch.ops.streamkl.*)
+from . import _ops
 
 
 def attn_kl(
@@ -29,25 +28,13 @@ def attn_kl(
     causal: bottom-right aligned (row i sees keys j <= i + Nk - Nq); rows that see no key give 0.
     scale1/scale2: default 1/sqrt(D). reduction: "none" -> (B, H, Nq), "sum", or "mean" over the
     rows that see a key. cu_seqlens: int32 (num_seqs + 1,) offsets of packed sequences (B == 1,
-    shared by queries and keys); max_seqlen: the longest one, if known (saves a host sync).
+    shared by queries and keys); max_seqlen: at least the longest one. The offsets are read on the
+    host once per cu_seqlens tensor (docs/contract.md, Packed sequences).
     backend: "reference", "triton", "cuda" or "auto"; default: STREAMKL_BACKEND, else auto.
     Returns float32 (float64 for float64 inputs); differentiable in all four inputs.
+    The same op is torch.ops.streamkl.attn_kl; docs/contract.md states the whole contract.
     """
-    # Type errors surface here, named, rather than as the op schema's parse error.
-    _checks.check_call(
-        q1,
-        k1,
-        q2,
-        k2,
-        scale1=scale1,
-        scale2=scale2,
-        reduction=reduction,
-        cu_seqlens=cu_seqlens,
-        max_seqlen=max_seqlen,
-    )
-    if backend is not None and not isinstance(backend, str):
-        raise TypeError(f"backend must be a str or None, got {type(backend).__name__}")
-    return torch.ops.streamkl.attn_kl(
+    return _ops.attn_kl(
         q1,
         k1,
         q2,
