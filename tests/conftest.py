@@ -1,5 +1,13 @@
-import pytest
+import os
+
 import torch
+
+# Without a GPU the triton backend runs on CPU tensors in Triton's interpreter, which reads this
+# variable once, when triton is first imported: set it before any test module imports triton.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
@@ -14,5 +22,10 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _clean_backend_env(monkeypatch):
     """Each test starts from the default backend choice, whatever the shell exported."""
-    monkeypatch.delenv("STREAMKL_BACKEND", raising=False)
-    monkeypatch.delenv("STREAMKL_REFERENCE_CHUNK", raising=False)
+    for name in (
+        "STREAMKL_BACKEND",
+        "STREAMKL_REFERENCE_CHUNK",
+        "STREAMKL_TRITON_SPLIT_K",
+        "STREAMKL_TRITON_BWD",
+    ):
+        monkeypatch.delenv(name, raising=False)
