@@ -6,13 +6,21 @@ build, keep its matrix products on wgmma, and fit the 227 KiB of shared memory o
 histogram (every opcode with its type suffixes, counted; labels, registers and debug lines
 left out) and the instruction count: equal before and after a refactor means the GPU runs the
 same instructions, at most scheduled in another order.
+
+triton.jit builds interpreter kernels, which cannot be compiled, when TRITON_INTERPRET=1 is set
+as triton and the kernels are imported (tests/conftest.py sets it without a GPU). In such a
+process test_compiling_process re-runs this file in a subprocess with TRITON_INTERPRET=0 and
+the cases here skip.
 """
 
 from __future__ import annotations
 
 import collections
 import hashlib
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -27,6 +35,28 @@ HOPPER = GPUTarget("cuda", 90, 128)
 SMEM_LIMIT = 227 * 1024
 _INTS = {"H", "HK1", "HK2", "NQ", "NK", "G1", "G2", "GG", "ROWS"}
 _PTR = {"bf16": "*bf16", "fp16": "*fp16", "fp32": "*fp32"}
+RERUN = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@pytest.fixture(autouse=True)
+def _only_in_compiling_process(request):
+    if RERUN and request.node.name != "test_compiling_process":
+        pytest.skip("runs in the TRITON_INTERPRET=0 subprocess of test_compiling_process")
+
+
+@pytest.mark.skipif(not RERUN, reason="this process compiles the kernels itself")
+def test_compiling_process():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", os.path.abspath(__file__), "-q", "-p", "no:cacheprovider"],
+        env={**os.environ, "TRITON_INTERPRET": "0"},
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
+    assert " passed" in proc.stdout and "failed" not in proc.stdout, proc.stdout[-2000:]
 
 
 def _compile(kernel, dtype, constexprs, num_warps, num_stages):
