@@ -73,7 +73,7 @@ def check_inputs(q1, k1, q2, k2, cu_seqlens=None, max_seqlen=None) -> Problem:
     if cu_seqlens is not None:
         _check_cu_seqlens_meta(cu_seqlens, b, nq, nk, q1.device)
         if max_seqlen is not None and (
-            isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 0
+            isinstance(max_seqlen, bool) or not isinstance(max_seqlen, (int, torch.SymInt)) or max_seqlen < 0
         ):
             raise ValueError(f"max_seqlen must be a non-negative int, got {max_seqlen!r}")
     elif max_seqlen is not None:

@@ -1,5 +1,5 @@
-"""SPEC section 5: every invalid call raises ValueError/TypeError naming the argument, before
-any kernel runs (the reference backend is never reached)."""
+"""Every invalid call raises ValueError/TypeError naming the argument or the environment
+variable, before any kernel runs (docs/contract.md, Errors): the reference is never reached."""
 
 import pytest
 import torch
@@ -61,6 +61,10 @@ CASES = {
     "scale finite": (lambda x: x, dict(scale2=float("nan")), ValueError, "scale2 must be finite"),
     "max_seqlen alone": (lambda x: x, dict(max_seqlen=4), ValueError, "max_seqlen is only"),
     "backend name": (lambda x: x, dict(backend="fastest"), ValueError, "backend='fastest'"),
+    "backend type": (lambda x: x, dict(backend=3), TypeError, "backend must be a str"),
+    "causal string": (lambda x: x, dict(causal="yes"), TypeError, "causal must be a bool"),
+    "causal int": (lambda x: x, dict(causal=1), TypeError, "causal must be a bool"),
+    "scale bool": (lambda x: x, dict(scale1=True), TypeError, "scale1 must be a float"),
 }
 
 
@@ -145,3 +149,28 @@ def test_non_finite_inputs_give_non_finite_rows_not_a_crash():
     out = streamkl.attn_kl(q1, k1, q2, k2)
     assert not torch.isfinite(out[0, 0, 2])
     assert torch.isfinite(out[0, 1:]).all()
+
+
+ENV_CASES = {
+    "STREAMKL_BACKEND": ("fastest", "STREAMKL_BACKEND='fastest' is not a backend"),
+    "STREAMKL_REFERENCE_CHUNK": ("abc", "STREAMKL_REFERENCE_CHUNK must be a positive integer"),
+    "STREAMKL_TRITON_BWD": ("bogus", "STREAMKL_TRITON_BWD must be auto, fused or separate"),
+    "STREAMKL_TRITON_SPLIT_K": ("-2", "STREAMKL_TRITON_SPLIT_K must be auto, off or a positive"),
+}
+
+
+@pytest.mark.parametrize("variable", list(ENV_CASES))
+def test_bad_environment_is_named_whatever_backend_runs(monkeypatch, no_backend_runs, variable):
+    """A bad value fails the call even when the backend that runs never reads the variable."""
+    value, message = ENV_CASES[variable]
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(ValueError, match=message):
+        streamkl.attn_kl(*_inputs(), backend=None if variable == "STREAMKL_BACKEND" else "reference")
+
+
+def test_the_registered_op_validates_too(no_backend_runs):
+    inputs = _inputs()
+    with pytest.raises(ValueError, match="q1 must be 4-D"):
+        torch.ops.streamkl.attn_kl(inputs[0][0], *inputs[1:])
+    with pytest.raises(ValueError, match="k2 has 9 keys"):
+        torch.ops.streamkl.attn_kl_fwd(*_replace(inputs, 3, torch.randn(2, 1, 9, 4)), False, 1.0, 1.0)

@@ -1,45 +1,17 @@
-"""The registered op: opcheck, torch.compile, gradcheck, dispatch and memory."""
+"""The op layer: one validation and at most one host read of cu_seqlens per call, the eager
+path and the registered ops agree, no graph breaks, gradcheck in float64, backend selection,
+CUDA graphs. What every backend must compute is tests/test_backends.py's."""
+
+import math
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import streamkl
+from streamkl import _checks, _ops
 from streamkl.testing import make_inputs
 
-from .oracle import oracle
-
-
-@pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
-@pytest.mark.parametrize(
-    "kwargs",
-    [
-        dict(causal=False),
-        dict(causal=True, scale1=0.5, scale2=0.25),
-        dict(causal=True, reduction="mean"),
-        dict(causal=False, reduction="sum"),
-    ],
-    ids=str,
-)
-def test_opcheck_public_op(layout, kwargs):
-    inputs = make_inputs(h=4, nq=7, nk=9, d1=8, d2=4, hk1=2, hk2=1, layout=layout, requires_grad=True)
-    torch.library.opcheck(torch.ops.streamkl.attn_kl.default, inputs, kwargs)
-
-
-@pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
-@pytest.mark.parametrize("varlen", [False, True])
-def test_opcheck_forward_and_backward_ops(layout, varlen):
-    cu = torch.tensor([0, 3, 3, 8], dtype=torch.int32) if varlen else None
-    q1, k1, q2, k2 = make_inputs(h=4, nq=8, nk=8, d1=8, d2=4, hk1=2, layout=layout, requires_grad=True)
-    torch.library.opcheck(
-        torch.ops.streamkl.attn_kl_fwd.default, (q1, k1, q2, k2, True, 0.3, 0.2, cu, None, None)
-    )
-    kl, lse1, lse2 = torch.ops.streamkl.attn_kl_fwd(q1, k1, q2, k2, True, 0.3, 0.2, cu)
-    grad = torch.randn_like(kl)
-    q1, k1, q2, k2, kl, lse1, lse2 = (t.detach() for t in (q1, k1, q2, k2, kl, lse1, lse2))
-    for needs in ([True] * 4, [False, False, True, True], [True, True, False, False]):
-        args = (grad, q1, k1, q2, k2, kl, lse1, lse2, True, 0.3, 0.2, cu, None, needs, None)
-        torch.library.opcheck(torch.ops.streamkl.attn_kl_bwd.default, args)
+from .tolerance import Expected
 
 
 class Distill(torch.nn.Module):
@@ -54,27 +26,6 @@ class Distill(torch.nn.Module):
         return streamkl.attn_kl(
             q1, k1, self.proj(q2), k2, causal=self.causal, reduction=self.reduction, cu_seqlens=cu_seqlens
         )
-
-
-@pytest.mark.parametrize("varlen", [False, True])
-@pytest.mark.parametrize("reduction", ["none", "mean"])
-@pytest.mark.parametrize("causal", [False, True])
-def test_compile_fullgraph_matches_eager(causal, reduction, varlen):
-    torch._dynamo.reset()
-    cu = torch.tensor([0, 4, 10], dtype=torch.int32) if varlen else None
-    inputs = make_inputs(
-        h=4, nq=10, nk=10, d1=8, d2=8, hk2=2, dtype=torch.float64, requires_grad=True, layout="bnhd"
-    )
-    model = Distill(causal, reduction)
-    results = []
-    for fn in (model, torch.compile(model, fullgraph=True)):
-        out = fn(*inputs, cu_seqlens=cu)
-        grads = torch.autograd.grad(out.sum(), (*inputs, model.proj.weight))
-        results.append((out, grads))
-    (out_e, grads_e), (out_c, grads_c) = results
-    torch.testing.assert_close(out_c, out_e)
-    for g_c, g_e in zip(grads_c, grads_e):
-        torch.testing.assert_close(g_c, g_e)
 
 
 def test_compile_has_no_graph_breaks():
@@ -105,13 +56,6 @@ def test_gradcheck_float64(case):
     assert torch.autograd.gradcheck(lambda *t: streamkl.attn_kl(*t, **kw), inputs)
 
 
-@pytest.mark.gpu
-def test_matches_oracle_on_cuda_tensors_with_reference():
-    inputs = make_inputs(h=2, nq=9, nk=9, dtype=torch.float32, device="cuda")
-    out = streamkl.attn_kl(*inputs, backend="reference")
-    torch.testing.assert_close(out.cpu().double(), oracle(*inputs)[0].cpu(), atol=1e-4, rtol=1e-4)
-
-
 # --- backend selection ----------------------------------------------------------------------
 
 
@@ -127,7 +71,7 @@ def test_env_is_read_at_call_time(monkeypatch):
 def test_auto_never_fails_where_reference_runs(monkeypatch):
     monkeypatch.setenv("STREAMKL_BACKEND", "auto")
     inputs = make_inputs(h=2, nq=4, nk=4, dtype=torch.float64)
-    torch.testing.assert_close(streamkl.attn_kl(*inputs), oracle(*inputs)[0])
+    Expected(inputs).check_kl(streamkl.attn_kl(*inputs))
 
 
 def test_named_backend_that_cannot_run_says_why_and_who_can(monkeypatch):
@@ -152,44 +96,99 @@ def test_available_backends_reports_reasons():
     assert isinstance(table["cuda"], str) and isinstance(table["triton"], str)
 
 
-# --- memory ---------------------------------------------------------------------------------
+# --- the op boundary ------------------------------------------------------------------------
 
 
-class LargestTensor(TorchDispatchMode):
-    """Records the element count of the largest tensor any aten op produces. A dispatch mode
-    sees a custom op as one call, so the backend's functions are called directly under it."""
+def _count_calls(monkeypatch, module, name):
+    calls = []
+    original = getattr(module, name)
 
-    def __init__(self):
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, counted)
+    return calls
+
+
+def test_one_validation_per_eager_call(monkeypatch):
+    checks = _count_calls(monkeypatch, _checks, "check_inputs")
+    inputs = make_inputs(h=4, hk2=2, nq=6, nk=7, d1=8, d2=4, requires_grad=True)
+    streamkl.attn_kl(*inputs, causal=True, reduction="sum").backward()
+    assert len(checks) == 1
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_cu_seqlens_is_read_once_per_tensor(monkeypatch, compiled):
+    """The offsets are read on the host (a device sync) the first time a cu_seqlens tensor is
+    seen; the backward and later calls with the same, unchanged tensor do not read them."""
+    reads = _count_calls(monkeypatch, _checks, "_read_cu_seqlens")
+    torch._dynamo.reset()
+    cu = torch.tensor([0, 3, 3, 8, 10], dtype=torch.int32)
+    inputs = make_inputs(h=2, nq=10, nk=10, d1=8, d2=8, dtype=torch.float64, requires_grad=True)
+
+    def loss(*t, max_seqlen=None):
+        return streamkl.attn_kl(*t, causal=True, cu_seqlens=cu, max_seqlen=max_seqlen, reduction="sum")
+
+    fn = torch.compile(loss, fullgraph=True) if compiled else loss
+    first = fn(*inputs)
+    first.backward()
+    assert len(reads) == 1
+    fn(*inputs).backward()
+    fn(*inputs, max_seqlen=6).backward()
+    assert len(reads) == 1
+    cu[1] = 2  # changed in place: read again
+    fn(*inputs).backward()
+    assert len(reads) == 2
+    with pytest.raises(ValueError, match="max_seqlen=4 is shorter than the longest sequence"):
+        fn(*inputs, max_seqlen=4)
+
+
+def test_eager_path_and_registered_ops_agree():
+    """The eager fast path (autograd.Function calling the backend) and the registered
+    attn_kl_fwd / attn_kl_bwd ops compute the same values and gradients."""
+    inputs = make_inputs(h=4, hk1=2, nq=9, nk=11, d1=8, d2=4, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(1, 4, 9, dtype=torch.float64)
+    kl = streamkl.attn_kl(*inputs, causal=True)
+    grads = torch.autograd.grad(kl, inputs, g)
+    kl_op = _ops.attn_kl_fwd(*inputs, True, 1 / math.sqrt(8), 1 / math.sqrt(4))[0]
+    grads_op = torch.autograd.grad(kl_op, inputs, g)
+    torch.testing.assert_close(kl_op, kl, rtol=0, atol=0)
+    for a, b in zip(grads_op, grads):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+class _TwoLayers(torch.nn.Module):
+    """Distillation of two attention layers' maps, as a training step calls the op."""
+
+    def __init__(self, device, d):
         super().__init__()
-        self.largest = 0
+        self.proj = torch.nn.ModuleList(torch.nn.Linear(d, d, device=device) for _ in range(2))
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in torch.utils._pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.numel())
-        return out
+    def forward(self, q1, k1, q2, k2, cu_seqlens=None, max_seqlen=None):
+        kw = dict(causal=True, reduction="mean", cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+        return sum(streamkl.attn_kl(q1, k1, p(q2), k2, **kw) for p in self.proj)
 
 
-@pytest.mark.parametrize("causal", [False, True])
-def test_reference_never_allocates_nq_by_nk(monkeypatch, causal):
-    from streamkl import reference
-
-    monkeypatch.setenv("STREAMKL_REFERENCE_CHUNK", "16")
-    b, h, nq, nk = 1, 2, 512, 256
-    q1, k1, q2, k2 = make_inputs(b=b, h=h, nq=nq, nk=nk, d1=8, d2=8)
-    kw = dict(causal=causal, scale1=0.3, scale2=0.3)
-    with LargestTensor() as mode:
-        kl, lse1, lse2 = reference.forward(q1, k1, q2, k2, **kw)
-        grad = torch.ones_like(kl)
-        reference.backward(grad, q1, k1, q2, k2, kl, lse1, lse2, **kw, needs=(True,) * 4)
-    # one chunk's logits, (B, H, 16, Nk), is the largest thing allowed; Nq x Nk would be 32x more
-    assert mode.largest == b * h * 16 * nk  # the chunk logits were seen, nothing larger
-    assert mode.largest < b * h * nq * nk // 8
-
-
-def test_default_chunk_bounds_memory():
-    from streamkl.reference.chunked import _CHUNK_BYTES, _chunk_rows
-
-    rows = _chunk_rows(1, 32, 1 << 20, 1 << 17, torch.float32)
-    assert rows * 32 * (1 << 17) * 4 <= _CHUNK_BYTES and rows >= 1
+@pytest.mark.gpu
+@pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
+def test_cuda_graphs_under_reduce_overhead(varlen):
+    """torch.compile(mode="reduce-overhead") captures the op in CUDA graphs: no host sync and no
+    allocation breaks capture, and replays give eager's loss and gradients."""
+    torch._dynamo.reset()
+    device = "cuda"
+    cu = torch.tensor([0, 100, 100, 230, 256], dtype=torch.int32, device=device) if varlen else None
+    model = _TwoLayers(device, 64)
+    step = torch.compile(model, mode="reduce-overhead", fullgraph=True)
+    for i in range(4):
+        inputs = make_inputs(h=4, hk1=2, nq=256, nk=256, d1=64, d2=64, device=device, seed=i)
+        q1, k1, q2, k2 = inputs
+        q2.requires_grad_()
+        kw = dict(cu_seqlens=cu, max_seqlen=130 if varlen else None)
+        loss = step(q1, k1, q2, k2, **kw)
+        grads = torch.autograd.grad(loss, [q2, *model.parameters()])
+        loss_e = model(q1, k1, q2, k2, **kw)
+        grads_e = torch.autograd.grad(loss_e, [q2, *model.parameters()])
+        torch.testing.assert_close(loss, loss_e)
+        for a, b in zip(grads, grads_e):
+            torch.testing.assert_close(a, b)
