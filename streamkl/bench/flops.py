@@ -12,8 +12,8 @@ over batch and heads, one logits GEMM `S_t = q_t @ k_t^T` of head dim `D_t` cost
                                 + dq_t = dS_t @ k_t and dk_t = dS_t^T @ q_t
                               = 2 * pairs * (D1 + D2) + 4 * pairs * D_t
                                 (four GEMMs, 2x the forward when D1 = D2)
-        setting "q2k2"  (SPEC setting 1: teacher fixed, grads of q2, k2)  D_t = D2
-        setting "q1k1"  (SPEC setting 2: target fixed, grads of q1, k1)   D_t = D1
+        setting "q2k2"  (teacher fixed, grads of q2, k2)  D_t = D2
+        setting "q1k1"  (target fixed, grads of q1, k1)   D_t = D1
     backward, "all"           = 2 * pairs * (D1 + D2) + 4 * pairs * (D1 + D2)
                                 (six GEMMs, 3x the forward when D1 = D2)
     fwd+bwd                   = forward + backward of that setting

@@ -21,7 +21,7 @@ BASELINES = ("torch", "torch.compile", "gemm")
 
 
 def dense_fp32(q1, k1, q2, k2, causal):
-    """The PyTorch baseline: SPEC section 1 materialized in float32 (eager)."""
+    """The PyTorch baseline: the definition materialized in float32 (eager)."""
     return dense_attn_kl(q1, k1, q2, k2, causal=causal, dtype=torch.float32)
 
 
@@ -142,7 +142,7 @@ class GemmYardstick:
     def square(self, s: int, sustained: bool = False) -> dict:
         """Time an s^3 GEMM. sustained: the run's yardstick, timed for seconds (do_bench with a
         1 s warm-up and 2 s of repeats) so that it reports the clock the GPU holds under load,
-        not the first burst (SPEC section 7: 650-680 TFLOP/s sustained on the H200 against
+        not the first burst (650-680 TFLOP/s sustained on the H200 against
         ~780 in bursts)."""
         if sustained:
             self.cache.pop(s, None)

@@ -235,7 +235,7 @@ def _summary(R) -> str:
     lines.append(
         "- measurements: "
         + ", ".join(f"{v} {k}" for k, v in sorted(counts.items()))
-        + f"; {bad} over the SPEC error budget."
+        + f"; {bad} over the error budget."
     )
     return "## Summary\n\n" + "\n".join(lines) + "\n"
 
@@ -630,7 +630,7 @@ def _check_table(R) -> str:
     ]
     return (
         "## Correctness checks\n\nEach measurement's first call against a reference on the "
-        "last query rows (SPEC section 6 budgets: KL per row relative to max(1,|ref|); "
+        "last query rows (budgets: KL per row relative to max(1,|ref|); "
         "gradients relative norm).\n\n"
         + _table(["provider", "checked", "max KL err", "max grad err", "over budget", "reference"], rows)
     )
