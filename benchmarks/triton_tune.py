@@ -314,7 +314,7 @@ def part_ablate(args, gemm):
 
     def cfg_of(causal, a):
         c = _config.fwd_cfg(128, 128, torch.bfloat16, causal, 1 << 14, False)
-        return [c.block_m, c.block_n, c.num_warps, c.num_stages, c.pipe, c.exp16, a]
+        return [c.block_m, c.block_n, c.num_warps, c.num_stages, a]
 
     chk = lambda causal: dict(kind="fwd", causal=causal, nq=1000, nk=1000 if causal else 1111)  # noqa: E731
     prewarm([(dict(fwd=cfg_of(c, a), split="off"), chk(c)) for c, a in plan], args.workers)
@@ -356,8 +356,8 @@ def part_ablate_bwd(args, gemm):
         cq, ck = _config.bwd_cfgs(128, 128, torch.bfloat16, causal, False, kind == "bwd12")
         a = 0 if a == "fused" else a
         return (
-            [cq.block_m, cq.block_n, cq.num_warps, cq.num_stages, False, False, a],
-            [ck.block_m, ck.block_n, ck.num_warps, ck.num_stages, False, False, a, ck.qrows],
+            [cq.block_m, cq.block_n, cq.num_warps, cq.num_stages, a],
+            [ck.block_m, ck.block_n, ck.num_warps, ck.num_stages, a, ck.qrows],
         )
 
     def strategy_of(a):

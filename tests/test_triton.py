@@ -199,17 +199,6 @@ def test_only_needed_grads(needs, strategy):
     _check(q1, k1, q2, k2, causal=True, needs=needs)
 
 
-@pytest.mark.parametrize("causal", [False, True])
-def test_pipelined_forward(causal, monkeypatch):
-    # The hand-pipelined unmasked loop (the H200 default) at interpreter tile sizes.
-    monkeypatch.setitem(_config.OVERRIDE, "fwd", _config.Cfg(16, 16, 4, 1, pipe=True))
-    monkeypatch.setenv("STREAMKL_TRITON_SPLIT_K", "off")
-    q1, k1, q2, k2 = make_inputs(
-        b=2, h=4, hk1=2, hk2=1, nq=37, nk=45, d1=24, d2=16, device=DEVICE, layout="bnhd", seed=12
-    )
-    _check(q1, k1, q2, k2, causal=causal, needs=SETTING1)
-
-
 @pytest.mark.skipif(
     not INTERPRET,
     reason="fp32 kernels at interpreter tiles compile for minutes "

@@ -123,32 +123,19 @@ def specializations():
         dims = _dims(d1, d2)
         for causal in (False, True):
             cfg = _config.fwd_cfg(dims["D1P"], dims["D2P"], _torch_dtype(dtype), causal, 1 << 14, False)
-            # The last one: the hand-pipelined loop (a timing variant) at the non-causal tile,
-            # where it was timed; at the causal 128 x 128 tile its stages overflow shared memory.
-            pipe_cfg = _config.fwd_cfg(dims["D1P"], dims["D2P"], _torch_dtype(dtype), False, 1 << 14, False)
-            for split, varlen, pipe, c in (
-                (False, False, cfg.pipe, cfg),
-                (True, False, cfg.pipe, cfg),
-                (False, True, cfg.pipe, cfg),
-                (False, False, True, pipe_cfg),
-            ):
+            for split, varlen in ((False, False), (True, False), (False, True)):
                 ce = dict(
                     dims,
-                    BLOCK_M=c.block_m,
-                    BLOCK_N=c.block_n,
+                    BLOCK_M=cfg.block_m,
+                    BLOCK_N=cfg.block_n,
                     CAUSAL=causal,
                     VARLEN=varlen,
                     SPLIT=split,
                     PREC=prec,
-                    PIPE=pipe,
-                    EXP16=False,
                     ABLATE=0,
                 )
-                name = (
-                    f"fwd-{dtype}-{d1}x{d2}-causal{int(causal)}-split{int(split)}"
-                    f"-varlen{int(varlen)}-pipe{int(pipe)}"
-                )
-                out.append((name, _fwd._fwd_kernel, dtype, ce, c.num_warps, c.num_stages))
+                name = f"fwd-{dtype}-{d1}x{d2}-causal{int(causal)}-split{int(split)}-varlen{int(varlen)}"
+                out.append((name, _fwd._fwd_kernel, dtype, ce, cfg.num_warps, cfg.num_stages))
             for both in (False, True):
                 cq, ck = _config.bwd_cfgs(dims["D1P"], dims["D2P"], _torch_dtype(dtype), causal, False, both)
                 common = dict(dims, CAUSAL=causal, VARLEN=False, PREC=prec, ABLATE=0)
@@ -184,7 +171,7 @@ def specializations():
                         )
                     )
     # The key-major kernel's other tile layout (Cfg.qrows), a timing variant of
-    # benchmarks/triton_tune.py, at the tile shape it was timed with.
+    # benchmarks/triton_tune.py, at the tile shape docs/triton.md times it with.
     qrows = not _config.bwd_cfgs(128, 128, _torch_dtype("bf16"), False, False, False)[1].qrows
     bm, bn = (128, 64) if qrows else (64, 128)
     out.append(
@@ -245,8 +232,6 @@ def test_forward_ablations_remove_what_they_say():
             VARLEN=False,
             SPLIT=False,
             PREC="tf32",
-            PIPE=False,
-            EXP16=False,
             ABLATE=ablate,
         )
         ptx[ablate] = _compile(_fwd._fwd_kernel, "bf16", ce, cfg.num_warps, cfg.num_stages)

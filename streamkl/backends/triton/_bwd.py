@@ -44,8 +44,7 @@ def _row_state(LSE1, LSE2, KLp, G, row, mmask):
 
 @triton.jit
 def _prob(t, L, ABLATE: tl.constexpr):
-    """P = 2^(t - L). ABLATE (timing experiments only, wrong results; Cfg.ablate): 1 drops the
-    exponential, 3 (the GEMMs alone) leaves nothing for P to feed."""
+    """P = 2^(t - L). ABLATE: Cfg.ablate (1 and 3 leave out the exponential)."""
     if ABLATE == 1 or ABLATE == 3:
         return t - L
     else:
@@ -103,7 +102,7 @@ def _bwd_dq_inner(
     DQ1: tl.constexpr,
     DQ2: tl.constexpr,
     PREC: tl.constexpr,
-    ABLATE: tl.constexpr = 0,
+    ABLATE: tl.constexpr,
 ):
     offs_n = tl.arange(0, BLOCK_N)
     for n0 in range(lo, hi, BLOCK_N):
@@ -186,11 +185,14 @@ def _bwd_dq_kernel(
     DQ1_ON: tl.constexpr,
     DQ2_ON: tl.constexpr,
     PREC: tl.constexpr,
-    ABLATE: tl.constexpr = 0,
+    ABLATE: tl.constexpr,  # timing variants only (Cfg.ablate); 0 in every shipped launch
 ):
-    # grid: (cdiv(Nq, BLOCK_M), H, B or num_seqs)
-    # ABLATE != 0: timing experiments (Cfg.ablate, docs/triton.md): 1 no exponentials, 2 one
-    # recomputed GEMM (S2 := S1), 3 the GEMMs alone (dS := a sum of the logits).
+    # grid: (cdiv(Nq, BLOCK_M), H, B or num_seqs). A program owns one [BLOCK_M, D] tile of
+    # queries of head h (q1, q2 and their row statistics, loaded once) and streams [BLOCK_N, D]
+    # tiles of k1 (head h // G1) and k2 (head h // G2) over the keys its rows see, unmasked tiles
+    # first, then the masked ones; logits are [BLOCK_M, BLOCK_N] and dq accumulates in registers.
+    # All warps share every step (no warp roles). Reads q, k, LSE1/LSE2, KL, G (and CU when
+    # VARLEN); writes the dq1 / dq2 rows of its tile (DQ1_ON / DQ2_ON).
     pid_m = tl.program_id(0)
     h = tl.program_id(1)
     z = tl.program_id(2)
@@ -341,7 +343,7 @@ def _bwd_kv_inner(
     FQ2: tl.constexpr,
     PREC: tl.constexpr,
     QROWS: tl.constexpr,
-    ABLATE: tl.constexpr = 0,
+    ABLATE: tl.constexpr,
 ):
     # Walks query tiles [lo, hi) against one key tile. QROWS lays the tiles out queries x keys
     # ([BM, BN], as the dq kernel does): the per-query statistics then sit along rows, two
@@ -469,16 +471,17 @@ def _bwd_dk_kernel(
     FQ1: tl.constexpr,
     FQ2: tl.constexpr,
     PREC: tl.constexpr,
-    QROWS: tl.constexpr = False,
-    ABLATE: tl.constexpr = 0,
+    QROWS: tl.constexpr,
+    ABLATE: tl.constexpr,  # timing variants only (Cfg.ablate); 0 in every shipped launch
 ):
-    # ABLATE != 0: timing experiments, as in _bwd_dq_kernel.
     # grid: (cdiv(Nk, BLOCK_N), H // GG, B or num_seqs). The program owns one key tile of key
     # group `hg` and walks the GG query heads hg*GG .. hg*GG+GG-1 (GG = g1 when it computes dk1,
     # g2 when dk2, either when g1 == g2), accumulating dk over them in registers. Tiles: the
-    # [BLOCK_N, D] key tiles stay put, [BLOCK_M, D] query tiles stream; logits are formed as
-    # [BLOCK_M, BLOCK_N] with QROWS, else [BLOCK_N, BLOCK_M]. Reads q, k, lse1/lse2, kl, grad;
-    # writes dk1/dk2, and with FQ1/FQ2 adds dq into the fp32 DQA buffers (atomics).
+    # [BLOCK_N, D] key tiles stay put, [BLOCK_M, D] query tiles stream (masked ones first);
+    # logits are formed as [BLOCK_M, BLOCK_N] with QROWS, else [BLOCK_N, BLOCK_M]. All warps
+    # share every step (no warp roles). Reads q, k, LSE1/LSE2, KL, G (and CU when VARLEN);
+    # writes dk1/dk2 (DK1_ON / DK2_ON), and with FQ1/FQ2 adds dq into the fp32 DQA buffers
+    # (atomics).
     pid_n = tl.program_id(0)
     hg = tl.program_id(1)
     z = tl.program_id(2)

@@ -16,17 +16,24 @@ H200_SMS = 132
 
 @dataclass(frozen=True)
 class Cfg:
+    """One kernel's tiles and launch options.
+
+    ablate: the value of every kernel's ABLATE constexpr. 0 in every table row; the others build
+    the timing variants of benchmarks/triton_tune.py (docs/triton.md, "Where the forward's time
+    goes" and "Where the backward's time goes"), whose results are wrong by design:
+        1  no tile exponentials (P := t - m in the forward, t - L in the backward);
+        2  one logit GEMM: S2 := S1 (the forward does not load k2);
+        3  the GEMMs alone: the logit tiles are only summed (the backward's dS is a sum of the
+           logits, so its per-query statistics are dead code).
+    qrows: the key-major backward kernel's tile layout: queries x keys (per-query statistics
+    along rows; dS^T reaches the dk GEMM through shared memory) instead of keys x queries.
+    """
+
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
-    pipe: bool = False  # forward only: hand-pipelined S GEMMs (see _fwd._fwd_inner_pipe)
-    exp16: bool = False  # forward only, with pipe, 16-bit inputs: student exponentials in f16x2
-    # For measuring where the time goes (results wrong by design; never in the tables below):
-    # 0 = off, 1 = no tile exponentials, 2 = one logit GEMM (S2 := S1), 3 = the GEMMs alone
     ablate: int = 0
-    # Backward key-major kernel only: tiles laid out queries x keys (per-query statistics along
-    # rows; dS^T reaches the dk GEMM through shared memory) instead of keys x queries.
     qrows: bool = False
 
 
@@ -46,12 +53,10 @@ def _next_pow2(n: int) -> int:
 
 
 # Forward: (max(D1P, D2P) bucket, is fp32, causal) -> Cfg. BLOCK_M shrinks for small Nq at launch.
-# The D <= 128 16-bit rows were picked on the H200 (B=1, H=32, D=128, bf16, N=8K/16K, 2026-11-29;
-# docs/triton.md): non-causal (128, 64, 8 warps, 3 stages) 362-368 TFLOP/s ahead of (128, 128, 8, 2)
-# 349-361; causal (128, 128, 8, 2) 333-362 ahead of (128, 64, 8, 3) 316-339. The hand-pipelined
-# loop (pipe=True) measured 10% slower, the f16x2 student exponentials (exp16) 13% slower.
-# The other rows pass the GPU tests but were not timed; the fp32 ones (true-fp32 dots, no tensor
-# cores) still spill registers at D=128 and are slow.
+# The D <= 128 16-bit rows are the fastest tiles of the H200 sweep at N=8K/16K (docs/triton.md,
+# "Selection rules and configs"): non-causal (128, 64, 8 warps, 3 stages), causal (128, 128, 8, 2).
+# The other rows pass the GPU tests but are not timed; the fp32 ones (true-fp32 dots, no tensor
+# cores) spill registers at D=128 and are slow.
 _FWD = {
     (64, False, False): Cfg(128, 64, 4, 3),
     (64, False, True): Cfg(128, 64, 4, 3),
@@ -68,13 +73,9 @@ _FWD = {
 }
 # Backward, query-major (dq) and key-major (dk / fused): (bucket, is fp32, both settings) -> Cfg.
 # D <= 128 16-bit: the key-major kernel lays its tiles out queries x keys (qrows) at (64, 64) with
-# 4 warps, two programs per SM. Measured on the H200 (B=1, H=32, D=128, bf16, N=16K, separate,
-# 2026-11-29, commit 4cc3f30; docs/triton.md), TFLOP/s non-causal / causal, against the keys x
-# queries layout shipped before, dk (64, 128, 8, 2) [(32, 128, 8, 2) with both settings]:
-#   setting 1: 332 / 331 vs 247 / 255;  setting 2: 325 / 320 vs 234 / 243;
-#   both: 335 / 339 vs 261 / 269.  qrows (128, 64, 8, 2): 310 / 295; qrows (64, 128, 8, 2): 210.
-# The key-major kernel alone, setting 1 non-causal: 15.1 ms against 24.5 ms (the dq kernel: 11 ms).
-# The D <= 64 rows follow the D = 128 measurement; dq keeps (128, 64, 8, 3) / (128, 64, 8, 2).
+# 4 warps, two programs per SM: 320-339 TFLOP/s at N=16K on the H200 in every setting, against at
+# most 269 for the keys x queries tiles (docs/triton.md, "Where the backward's time goes"). The
+# D <= 64 rows follow the D = 128 measurement; dq keeps (128, 64, 8, 3) / (128, 64, 8, 2).
 _BWD_Q = {
     (64, False, False): Cfg(128, 64, 8, 2),
     (64, False, True): Cfg(128, 64, 8, 2),
@@ -125,15 +126,7 @@ def fwd_cfg(d1p: int, d2p: int, dtype: torch.dtype, causal: bool, nq: int, inter
         cfg = _FWD[(*_key(d1p, d2p, dtype), bool(causal))]
     # Decode-sized Nq: a BLOCK_M no larger than Nq (at least 16, tl.dot's minimum).
     bm = max(16, min(cfg.block_m, _next_pow2(nq)))
-    return Cfg(
-        bm,
-        cfg.block_n,
-        cfg.num_warps if bm >= 64 else 4,
-        cfg.num_stages,
-        cfg.pipe,
-        cfg.exp16 and dtype != torch.float32,
-        cfg.ablate,
-    )
+    return Cfg(bm, cfg.block_n, cfg.num_warps if bm >= 64 else 4, cfg.num_stages, cfg.ablate)
 
 
 def bwd_cfgs(
@@ -151,15 +144,11 @@ def bwd_cfgs(
 def split_count(n_ctas: int, nk_tiles: int, num_sms: int, forced: int | None, block_m: int = 128) -> int:
     """Key-axis splits for the forward. `forced` (STREAMKL_TRITON_SPLIT_K=N) wins; 1 = off.
 
-    Rule, measured on the H200 (B=1, H=32, D=128, bf16, Nk=32K, 2026-11-29; docs/triton.md):
-    the plain grid has n_ctas = B*H*cdiv(Nq, BLOCK_M) programs. Split only when it fills at most
+    The plain grid has n_ctas = B*H*cdiv(Nq, BLOCK_M) programs. Split only when it fills at most
     half the SMs (n_ctas <= num_sms/2), into about one wave of programs (two waves when
-    BLOCK_M < 64, whose programs are light), keeping >= MIN_TILES key tiles per split.
-      Nq=1/16 (32 ctas): off 0.67 ms; 8 splits 0.14 ms (4: 0.16, 64: 0.15)
-      Nq=64   (32 ctas): off 0.87 ms; 4 splits 0.22 ms (8: 0.22, 64: 0.27)
-      Nq=128  (32 ctas): off 0.78 ms; 4 splits 0.22 ms (2: 0.39, 64: 0.27)
-      Nq=256  (64 ctas): off 0.75 ms; 2 splits 0.40 ms (8: 0.41, 64: 0.51)
-      Nq=512 (128 ctas): off 0.76 ms; 2 splits 0.79 ms: never split a (nearly) full wave.
+    BLOCK_M < 64, whose programs are light), keeping >= MIN_TILES key tiles per split: on the
+    H200 at Nk=32K that runs decode-sized Nq 3.6-4.8x faster, and a (nearly) full wave gains
+    nothing from a split (docs/triton.md, "Split-K").
     """
     if forced is not None:
         return max(1, min(forced, nk_tiles))

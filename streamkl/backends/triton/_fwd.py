@@ -26,13 +26,10 @@ from ._tiles import key_range, load_tile, sequence, visible
 
 
 @triton.jit
-def _online_step(
-    m1, l1, m2, l2, acc, t1, t2, valid, MASKED: tl.constexpr, EXP16: tl.constexpr, ABLATE: tl.constexpr = 0
-):
+def _online_step(m1, l1, m2, l2, acc, t1, t2, valid, MASKED: tl.constexpr, ABLATE: tl.constexpr):
     """One key tile of the online form (module docstring) on log2-scaled logits t1, t2 [BM, BN].
     MASKED: `valid` marks the pairs seen; the rest enter as t = -inf and weigh nothing.
-    ABLATE (timing experiments only, wrong results): 1 drops the tile exponentials, 3 keeps
-    nothing but a sum of each logit tile (so the two GEMMs stay live)."""
+    ABLATE: Cfg.ablate (3 keeps only a sum of each logit tile, so the two GEMMs stay live)."""
     if ABLATE == 3:
         return m1, l1 + tl.sum(t1, 1), m2, l2 + tl.sum(t2, 1), acc
     if MASKED:
@@ -50,18 +47,9 @@ def _online_step(
     a2 = tl.math.exp2(m2 - m2u)
     if ABLATE == 1:
         p1 = t1 - m1u[:, None]
+        p2 = t2 - m2u[:, None]
     else:
         p1 = tl.math.exp2(t1 - m1u[:, None])
-    if ABLATE == 1:
-        p2 = t2 - m2u[:, None]
-    elif EXP16:
-        # Student weights only feed l2: two exponentials per MUFU op (ex2.approx.f16x2) take a
-        # quarter of the MUFU work off; 16-bit inputs only (docs/triton.md).
-        x2 = (t2 - m2u[:, None]).to(tl.float16)
-        p2 = tl.inline_asm_elementwise(
-            "ex2.approx.f16x2 $0, $1;", "=r,r", [x2], dtype=tl.float16, is_pure=True, pack=2
-        ).to(tl.float32)
-    else:
         p2 = tl.math.exp2(t2 - m2u[:, None])
     d = t1 - t2
     if MASKED:
@@ -87,53 +75,6 @@ def _store_result(KL, LSE1, LSE2, offs, mask, m1, l1, m2, l2, acc):
     tl.store(
         LSE2 + offs, tl.where(seen, (m2 + tl.math.log2(l2s)) * 0.6931471805599453, float("-inf")), mask=mask
     )
-
-
-@triton.jit
-def _fwd_inner_pipe(
-    m1,
-    l1,
-    m2,
-    l2,
-    acc,
-    q1,
-    q2,
-    K1,
-    K2,
-    stride_k1n,
-    stride_k1d,
-    stride_k2n,
-    stride_k2d,
-    lo,
-    hi,
-    c1,
-    c2,
-    D1: tl.constexpr,
-    D2: tl.constexpr,
-    D1P: tl.constexpr,
-    D2P: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    PREC: tl.constexpr,
-    EXP16: tl.constexpr,
-):
-    # The unmasked tiles, software-pipelined by hand: the S GEMMs of tile j+1 are issued before
-    # the exponentials of tile j, so the tensor cores run while the same warps do the softmax
-    # (the last iteration recomputes the final tile once and drops it).
-    if lo < hi:
-        k1 = load_tile(K1, lo, hi, stride_k1n, stride_k1d, BLOCK_N, D1, D1P, False)
-        k2 = load_tile(K2, lo, hi, stride_k2n, stride_k2d, BLOCK_N, D2, D2P, False)
-        s1 = tl.dot(q1, tl.trans(k1), input_precision=PREC)
-        s2 = tl.dot(q2, tl.trans(k2), input_precision=PREC)
-        for n0 in range(lo, hi, BLOCK_N):
-            nn = tl.minimum(n0 + BLOCK_N, hi - BLOCK_N)
-            k1n = load_tile(K1, nn, hi, stride_k1n, stride_k1d, BLOCK_N, D1, D1P, False)
-            k2n = load_tile(K2, nn, hi, stride_k2n, stride_k2d, BLOCK_N, D2, D2P, False)
-            s1n = tl.dot(q1, tl.trans(k1n), input_precision=PREC)
-            s2n = tl.dot(q2, tl.trans(k2n), input_precision=PREC)
-            m1, l1, m2, l2, acc = _online_step(m1, l1, m2, l2, acc, s1 * c1, s2 * c2, 0, False, EXP16)
-            s1 = s1n
-            s2 = s2n
-    return m1, l1, m2, l2, acc
 
 
 @triton.jit
@@ -166,11 +107,11 @@ def _fwd_inner(
     MASKED: tl.constexpr,
     CAUSAL: tl.constexpr,
     PREC: tl.constexpr,
-    ABLATE: tl.constexpr = 0,
+    ABLATE: tl.constexpr,
 ):
     # Streams key tiles [lo, hi). MASKED tiles apply the key bound and the causal frontier
     # (row i sees key j <= i + diag); unmasked tiles are fully visible to every row of the tile.
-    # ABLATE == 2 (timing experiment): one GEMM, S2 := S1, k2 never loaded.
+    # ABLATE: Cfg.ablate (2: S2 := S1, k2 never loaded).
     offs_n = tl.arange(0, BLOCK_N)
     for n0 in range(lo, hi, BLOCK_N):
         k1 = load_tile(K1, n0, k_len, stride_k1n, stride_k1d, BLOCK_N, D1, D1P, MASKED)
@@ -185,7 +126,7 @@ def _fwd_inner(
         valid = 0
         if MASKED:
             valid = visible(offs_m[:, None], (n0 + offs_n)[None, :], k_len, diag, CAUSAL)
-        m1, l1, m2, l2, acc = _online_step(m1, l1, m2, l2, acc, t1, t2, valid, MASKED, False, ABLATE)
+        m1, l1, m2, l2, acc = _online_step(m1, l1, m2, l2, acc, t1, t2, valid, MASKED, ABLATE)
     return m1, l1, m2, l2, acc
 
 
@@ -237,11 +178,15 @@ def _fwd_kernel(
     VARLEN: tl.constexpr,
     SPLIT: tl.constexpr,
     PREC: tl.constexpr,
-    PIPE: tl.constexpr,
-    EXP16: tl.constexpr,
-    ABLATE: tl.constexpr,
+    ABLATE: tl.constexpr,  # timing variants only (Cfg.ablate); 0 in every shipped launch
 ):
-    # grid: (cdiv(Nq, BLOCK_M) [* n_splits when SPLIT], H, B or num_seqs)
+    # grid: (cdiv(Nq, BLOCK_M) [* n_splits when SPLIT], H, B or num_seqs). A program owns one
+    # [BLOCK_M, D] tile of queries of head h (q1 and q2, loaded once) and streams [BLOCK_N, D]
+    # tiles of k1 (head h // G1) and k2 (head h // G2) over all keys it sees, or with SPLIT over
+    # its split's key range: unmasked tiles first, then the masked ones (the causal frontier and
+    # the ragged last tile). All warps share every step (no warp roles). Reads q1, q2, k1, k2
+    # (and CU when VARLEN); writes KL, LSE1, LSE2 of its rows, or with SPLIT their five partial
+    # running scalars to PART for _merge_kernel.
     pid0 = tl.program_id(0)
     h = tl.program_id(1)
     z = tl.program_id(2)
@@ -280,65 +225,37 @@ def _fwd_kernel(
     l1 = tl.zeros([BLOCK_M], tl.float32)
     l2 = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M], tl.float32)
-    if PIPE:
-        m1, l1, m2, l2, acc = _fwd_inner_pipe(
-            m1,
-            l1,
-            m2,
-            l2,
-            acc,
-            q1,
-            q2,
-            K1,
-            K2,
-            sk1n,
-            sk1d,
-            sk2n,
-            sk2d,
-            lo,
-            mid,
-            c1,
-            c2,
-            D1,
-            D2,
-            D1P,
-            D2P,
-            BLOCK_N,
-            PREC,
-            EXP16,
-        )
-    else:
-        m1, l1, m2, l2, acc = _fwd_inner(
-            m1,
-            l1,
-            m2,
-            l2,
-            acc,
-            q1,
-            q2,
-            K1,
-            K2,
-            sk1n,
-            sk1d,
-            sk2n,
-            sk2d,
-            lo,
-            mid,
-            offs_m,
-            k_len,
-            diag,
-            c1,
-            c2,
-            D1,
-            D2,
-            D1P,
-            D2P,
-            BLOCK_N,
-            False,
-            CAUSAL,
-            PREC,
-            ABLATE,
-        )
+    m1, l1, m2, l2, acc = _fwd_inner(
+        m1,
+        l1,
+        m2,
+        l2,
+        acc,
+        q1,
+        q2,
+        K1,
+        K2,
+        sk1n,
+        sk1d,
+        sk2n,
+        sk2d,
+        lo,
+        mid,
+        offs_m,
+        k_len,
+        diag,
+        c1,
+        c2,
+        D1,
+        D2,
+        D1P,
+        D2P,
+        BLOCK_N,
+        False,
+        CAUSAL,
+        PREC,
+        ABLATE,
+    )
     m1, l1, m2, l2, acc = _fwd_inner(
         m1,
         l1,
@@ -387,7 +304,10 @@ def _fwd_kernel(
 
 @triton.jit(do_not_specialize=["ROWS", "n_splits"])
 def _merge_kernel(PART, KL, LSE1, LSE2, ROWS, n_splits, SPLITS_P: tl.constexpr, BLOCK_R: tl.constexpr):
-    # PART: [5, n_splits, ROWS] partial (m1, l1, m2, l2, acc); one program merges BLOCK_R rows.
+    # grid: (cdiv(ROWS, BLOCK_R),), ROWS = B * H * Nq. A program merges BLOCK_R rows: it reads
+    # the [SPLITS_P, BLOCK_R] tiles of each partial scalar (m1, l1, m2, l2, acc) of those rows
+    # from PART ([5, n_splits, ROWS] float32, splits past n_splits masked) and writes KL, LSE1,
+    # LSE2 of the rows. All warps share every step (no warp roles).
     offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_s = tl.arange(0, SPLITS_P)
     rmask = offs_r < ROWS

@@ -80,8 +80,6 @@ def forward(q1, k1, q2, k2, *, causal, scale1, scale2, cu_seqlens, max_seqlen):
         CAUSAL=bool(causal),
         VARLEN=varlen,
         PREC=_prec(q1.dtype),
-        PIPE=bool(cfg.pipe),
-        EXP16=bool(cfg.exp16),
         ABLATE=int(cfg.ablate),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
