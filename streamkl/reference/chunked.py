@@ -2,11 +2,17 @@
 
     S_t = scale_t * q_t[rows] @ k_t^T                         (masked to the visible keys)
     LSE_t = logsumexp(S_t);  P1 = exp(S1 - LSE1)
-    KL = sum_j P1 * ((S1 - LSE1) - (S2 - LSE2))                (the same value as SPEC's
-                                                                sum P1 (S1 - S2) - LSE1 + LSE2,
+    KL = sum_j P1 * ((S1 - LSE1) - (S2 - LSE2))                (the same value as
+                                                                sum P1 (S1 - S2) - LSE1 + LSE2
+                                                                of docs/contract.md, Definition,
                                                                 without the cancellation)
 backward:  dS2 = g (P2 - P1);  dS1 = g P1 ((S1 - LSE1) - (S2 - LSE2) - KL)
            dq_t = scale_t dS_t @ k_t;  dk_t += scale_t dS_t^T @ q_t   (summed over GQA groups)
+
+Memory (docs/contract.md, Memory): a chunk of rows holds at most _LIVE_CHUNK_TEMPS temporaries of
+(B, H, rows, Nk) in the compute dtype at once (forward: logp2, logp1, p1, or logp2, logits1 and
+the exp inside its logsumexp; backward: logp2, p1 and dS1), every other step works in place.
+The default chunk keeps them within the two dense Nq x Nk matrices and within _CHUNK_BYTES.
 """
 
 from __future__ import annotations
@@ -17,8 +23,11 @@ import torch
 
 from .. import _env
 
-# One chunk's logits take about this many bytes per distribution when no chunk is set.
-_CHUNK_BYTES = 64 << 20
+# The most bytes one chunk's temporaries take when STREAMKL_REFERENCE_CHUNK is not set.
+_CHUNK_BYTES = 256 << 20
+
+# (B, H, rows, Nk) temporaries of the compute dtype alive at once inside a chunk (see above).
+_LIVE_CHUNK_TEMPS = 3
 
 
 def supports(q1, k1, q2, k2, cu_seqlens=None) -> str | None:
@@ -29,75 +38,104 @@ def _compute_dtype(q1, q2):
     return torch.float64 if torch.float64 in (q1.dtype, q2.dtype) else torch.float32
 
 
-def _chunk_rows(b, h, nq, nk, dtype) -> int:
+def _chunk_rows(b, h, nq, nk, dtype, d=0, held=0) -> int:
+    """Query rows per chunk: STREAMKL_REFERENCE_CHUNK, else as many as keep the call's working
+    set within the two dense (B, H, Nq, Nk) matrices of `dtype` and within _CHUNK_BYTES.
+
+    Per row: the _LIVE_CHUNK_TEMPS logit-sized temporaries, one causal mask row (bool) and one
+    (B, H, D) row of q cast or of the dq product. `held`: bytes the call holds besides its chunk
+    (a key-sized cast or copy of k, accumulators that are not the returned gradients)."""
     chunk = _env.reference_chunk()
     if chunk is None:
-        per_row = max(1, b * h * nk * torch.finfo(dtype).bits // 8)
-        chunk = max(1, _CHUNK_BYTES // per_row)
+        size = torch.finfo(dtype).bits // 8
+        per_row = max(1, b * h * (_LIVE_CHUNK_TEMPS * nk + d) * size + nk)
+        budget = min(2 * b * h * nq * nk * size, _CHUNK_BYTES) - held
+        chunk = max(1, budget // per_row)
     return max(1, min(chunk, max(nq, 1)))
 
 
+def _key_bytes(k1, k2, dtype) -> int:
+    """Bytes of the larger key tensor in `dtype`: a cast of k, or its copy for the matrix product."""
+    return max(k.numel() for k in (k1, k2)) * (torch.finfo(dtype).bits // 8)
+
+
 def _segments(cu_seqlens, nq):
-    """(start, end) of each packed sequence, or the whole axis once."""
+    """The token slice of each non-empty packed sequence, or None once for the whole axis."""
     if cu_seqlens is None:
-        return [(0, nq)]
+        return [None]
     offsets = cu_seqlens.tolist()
-    return [(a, b) for a, b in zip(offsets[:-1], offsets[1:]) if b > a]
+    return [slice(a, b) for a, b in zip(offsets[:-1], offsets[1:]) if b > a]
 
 
-def _logits(q, k, rows, scale, dtype):
-    """scale * q[:, :, rows] @ k^T as (B, H, len(rows), Nk), GQA by a grouped view, no copy of k."""
+def _sliced(seq, *tensors):
+    """Each tensor's tokens `seq` (axis 2); with seq None the tensors themselves, not aliases."""
+    return [t if t is None or seq is None else t[:, :, seq] for t in tensors]
+
+
+def _grouped_rows(q, rows, hk, dtype):
+    """q[:, :, rows] as (B, Hk, groups * rows, D): the query heads of a GQA group stacked."""
     b, h, _, d = q.shape
-    hk = k.shape[1]
-    qc = q[:, :, rows].to(dtype).reshape(b, hk, h // hk, -1, d)
-    s = torch.matmul(qc, k.to(dtype).unsqueeze(2).transpose(-1, -2))
-    return (s * scale).reshape(b, h, -1, k.shape[2])
+    qc = q[:, :, rows].to(dtype)
+    return qc.reshape(b, hk, (h // hk) * qc.shape[2], d)
 
 
-def _mask(row0, nrows, nq, nk, causal, device):
-    """(rows, Nk) bool of visible keys for rows row0.. (bottom-right causal), or None if all."""
+def _logits(q, k, rows, scale, dtype, hidden):
+    """scale * q[:, :, rows] @ k^T as a contiguous (B, H, rows, Nk), -inf where `hidden`; GQA by
+    stacking each group's query heads against their shared key head, no copy of k per group."""
+    b, h, _, _ = q.shape
+    hk, nk = k.shape[1], k.shape[2]
+    s = torch.matmul(_grouped_rows(q, rows, hk, dtype), k.to(dtype).transpose(-1, -2)).mul_(scale)
+    s = s.view(b, h, -1, nk)
+    return s if hidden is None else s.masked_fill_(hidden, -math.inf)
+
+
+def _hidden(row0, nrows, nq, nk, causal, device):
+    """(rows, Nk) bool of keys rows row0.. may not see (bottom-right causal), or None if none."""
     if not causal:
         return None
     rows = torch.arange(row0, row0 + nrows, device=device)[:, None]
     cols = torch.arange(nk, device=device)[None, :]
-    return cols <= rows + (nk - nq)
+    return cols > rows + (nk - nq)
 
 
-def _chunk_stats(q1, k1, q2, k2, rows, row0, causal, scale1, scale2, dtype):
-    """Masked logits of one chunk and their log-probabilities (0 where masked or row empty)."""
-    nq, nk = q1.shape[2], k1.shape[2]
-    s1 = _logits(q1, k1, rows, scale1, dtype)
-    s2 = _logits(q2, k2, rows, scale2, dtype)
-    mask = _mask(row0, s1.shape[2], nq, nk, causal, s1.device)
-    if mask is not None:
-        s1 = s1.masked_fill(~mask, -math.inf)
-        s2 = s2.masked_fill(~mask, -math.inf)
-    return s1, s2, mask
+def _lse(s):
+    """logsumexp over the last axis (-inf for a row that sees no key) with one temporary of s's
+    size; torch.logsumexp holds two inside one call."""
+    m = s.amax(-1, keepdim=True)
+    m = m.masked_fill(torch.isinf(m), 0.0)
+    total = torch.sub(s, m).exp_().sum(-1)
+    return total.log_().add_(m.squeeze(-1))
 
 
-def _log_probs(s, lse, mask):
-    # Empty rows have lse = -inf; shift by 0 instead so nothing becomes NaN, then zero them.
-    out = s - torch.nan_to_num(lse, neginf=0.0)[..., None]
-    return out if mask is None else out.masked_fill(~mask, 0.0)
+def _log_probs_(s, lse, hidden):
+    """In place: s - lse, 0 where hidden. Empty rows (lse = -inf) shift by 0, so nothing becomes NaN."""
+    s.sub_(torch.nan_to_num(lse, neginf=0.0)[..., None])
+    return s if hidden is None else s.masked_fill_(hidden, 0.0)
 
 
 def _forward_dense_rows(q1, k1, q2, k2, causal, scale1, scale2, kl, lse1, lse2):
-    b, h, nq, _ = q1.shape
-    nk = k1.shape[2]
+    b, h, nq, d1 = q1.shape
+    nk, d2 = k1.shape[2], q2.shape[3]
     dtype = kl.dtype
-    chunk = _chunk_rows(b, h, nq, nk, dtype)
+    chunk = _chunk_rows(b, h, nq, nk, dtype, max(d1, d2), _key_bytes(k1, k2, dtype))
     for row0 in range(0, nq, chunk):
         rows = slice(row0, min(row0 + chunk, nq))
-        s1, s2, mask = _chunk_stats(q1, k1, q2, k2, rows, row0, causal, scale1, scale2, dtype)
-        l1 = torch.logsumexp(s1, -1)
-        l2 = torch.logsumexp(s2, -1)
-        logp1 = _log_probs(s1, l1, mask)
-        logp2 = _log_probs(s2, l2, mask)
-        p1 = torch.exp(s1 - torch.nan_to_num(l1, neginf=0.0)[..., None])
-        kl[:, :, rows] = (p1 * (logp1 - logp2)).sum(-1)
+        hidden = _hidden(row0, rows.stop - row0, nq, nk, causal, q1.device)
+        logp2 = _logits(q2, k2, rows, scale2, dtype, hidden)
+        l2 = _lse(logp2)
+        _log_probs_(logp2, l2, hidden)
+        logp1 = _logits(q1, k1, rows, scale1, dtype, hidden)
+        l1 = _lse(logp1)
+        _log_probs_(logp1, l1, hidden)
+        p1 = logp1.exp()
+        if hidden is not None:
+            p1.masked_fill_(hidden, 0.0)
+        diff = logp1.sub_(logp2)  # logp1 - logp2 in logp1's storage
+        del logp2
+        kl[:, :, rows] = diff.mul_(p1).sum(-1)
         lse1[:, :, rows] = l1
         lse2[:, :, rows] = l2
-        del s1, s2, logp1, logp2, p1
+        del diff, p1
 
 
 def forward(q1, k1, q2, k2, *, causal, scale1, scale2, cu_seqlens=None, max_seqlen=None):
@@ -106,71 +144,62 @@ def forward(q1, k1, q2, k2, *, causal, scale1, scale2, cu_seqlens=None, max_seql
     kl = torch.zeros(b, h, nq, dtype=dtype, device=q1.device)
     lse1 = torch.full_like(kl, -math.inf)
     lse2 = torch.full_like(kl, -math.inf)
-    if k1.shape[2] == 0:
+    if k1.shape[2] == 0 or kl.numel() == 0:
         return kl, lse1, lse2
-    for start, end in _segments(cu_seqlens, nq):
-        seq = slice(start, end) if cu_seqlens is not None else slice(None)
-        _forward_dense_rows(
-            q1[:, :, seq],
-            k1[:, :, seq],
-            q2[:, :, seq],
-            k2[:, :, seq],
-            causal,
-            scale1,
-            scale2,
-            kl[:, :, seq],
-            lse1[:, :, seq],
-            lse2[:, :, seq],
-        )
+    for seq in _segments(cu_seqlens, nq):
+        q1s, k1s, q2s, k2s, kls, lse1s, lse2s = _sliced(seq, q1, k1, q2, k2, kl, lse1, lse2)
+        _forward_dense_rows(q1s, k1s, q2s, k2s, causal, scale1, scale2, kls, lse1s, lse2s)
     return kl, lse1, lse2
 
 
-def _backward_dense_rows(grad, q1, k1, q2, k2, kl, lse1, lse2, causal, scale1, scale2, needs, grads):
-    b, h, nq, _ = q1.shape
-    nk = k1.shape[2]
-    dtype = grads[4]
-    dq1, dk1, dq2, dk2 = grads[:4]
+def _backward_dense_rows(
+    grad, q1, k1, q2, k2, kl, lse1, lse2, causal, scale1, scale2, needs, grads, dtype, held
+):
+    b, h, nq, d1 = q1.shape
+    nk, d2 = k1.shape[2], q2.shape[3]
+    dq1, dk1, dq2, dk2 = grads
     need_1 = needs[0] or needs[1]
     need_2 = needs[2] or needs[3]
-    chunk = _chunk_rows(b, h, nq, nk, dtype)
+    chunk = _chunk_rows(b, h, nq, nk, dtype, max(d1, d2), held + _key_bytes(k1, k2, dtype))
     for row0 in range(0, nq, chunk):
         rows = slice(row0, min(row0 + chunk, nq))
-        s1, s2, mask = _chunk_stats(q1, k1, q2, k2, rows, row0, causal, scale1, scale2, dtype)
+        hidden = _hidden(row0, rows.stop - row0, nq, nk, causal, q1.device)
         g = grad[:, :, rows, None].to(dtype)
-        logp1 = _log_probs(s1, lse1[:, :, rows], mask)
-        logp2 = _log_probs(s2, lse2[:, :, rows], mask)
-        del s1, s2
-        p1 = logp1.exp()
-        if mask is not None:
-            p1 = p1.masked_fill(~mask, 0.0)
+        logp1 = _log_probs_(_logits(q1, k1, rows, scale1, dtype, hidden), lse1[:, :, rows], hidden)
+        logp2 = _log_probs_(_logits(q2, k2, rows, scale2, dtype, hidden), lse2[:, :, rows], hidden)
         empty = torch.isneginf(lse1[:, :, rows])[..., None]  # rows that see no key
-        p1 = p1.masked_fill(empty, 0.0)
-        if need_2:
-            p2 = logp2.exp()
-            if mask is not None:
-                p2 = p2.masked_fill(~mask, 0.0)
-            ds2 = g * (p2.masked_fill(empty, 0.0) - p1)
-            del p2
-            _accumulate(ds2, q2, k2, rows, scale2, needs[2], needs[3], dq2, dk2)
-            del ds2
-        if need_1:
-            ds1 = g * p1 * (logp1 - logp2 - kl[:, :, rows, None].to(dtype))
+        p1 = logp1.exp()
+        if hidden is not None:
+            p1.masked_fill_(hidden, 0.0)
+        p1.masked_fill_(empty, 0.0)
+        if need_1:  # dS1 in logp1's storage: logp1 is not needed after it
+            ds1 = logp1.sub_(logp2).sub_(kl[:, :, rows, None].to(dtype)).mul_(p1).mul_(g)
             _accumulate(ds1, q1, k1, rows, scale1, needs[0], needs[1], dq1, dk1)
             del ds1
-        del logp1, logp2, p1
+        del logp1
+        if need_2:  # P2 and then dS2 in logp2's storage
+            p2 = logp2.exp_()
+            if hidden is not None:
+                p2.masked_fill_(hidden, 0.0)
+            ds2 = p2.masked_fill_(empty, 0.0).sub_(p1).mul_(g)
+            _accumulate(ds2, q2, k2, rows, scale2, needs[2], needs[3], dq2, dk2)
+            del p2, ds2
+        del logp2, p1
 
 
 def _accumulate(ds, q, k, rows, scale, need_dq, need_dk, dq, dk):
-    """dq[rows] = scale ds @ k;  dk += scale ds^T @ q[rows], summed over the heads of a group."""
+    """dq[rows] = scale ds @ k;  dk += scale ds^T @ q[rows], summed over the heads of a group
+    (ds is contiguous, so its (B, Hk, groups * rows, Nk) view is free)."""
     b, h, n, nk = ds.shape
     hk, d = k.shape[1], k.shape[3]
-    ds_grouped = ds.reshape(b, hk, h // hk, n, nk)
+    ds_grouped = ds.view(b, hk, (h // hk) * n, nk)
     if need_dq:
-        kk = k.to(ds.dtype).unsqueeze(2)
-        dq[:, :, rows] = (scale * torch.matmul(ds_grouped, kk)).reshape(b, h, n, d)
+        dq[:, :, rows] = torch.matmul(ds_grouped, k.to(ds.dtype)).mul_(scale).view(b, h, n, d)
     if need_dk:
-        qc = q[:, :, rows].to(ds.dtype).reshape(b, hk, h // hk, n, d)
-        dk += scale * torch.matmul(ds_grouped.transpose(-1, -2), qc).sum(2)
+        qc = _grouped_rows(q, rows, hk, ds.dtype)
+        dk.view(b * hk, nk, d).baddbmm_(
+            ds_grouped.transpose(-1, -2).reshape(b * hk, nk, -1), qc.reshape(b * hk, -1, d), alpha=scale
+        )
 
 
 def backward(
@@ -192,25 +221,17 @@ def backward(
 ):
     dtype = _compute_dtype(q1, q2)
     inputs = (q1, k1, q2, k2)
-    # Accumulate in the compute dtype; cast to each input's dtype once at the end.
+    # dq rows are written once, in the input's dtype; dk sums over every chunk, so it accumulates
+    # in the compute dtype and is cast to the input's dtype once at the end.
     acc = [
-        torch.zeros(t.shape, dtype=dtype, device=t.device) if need else None for t, need in zip(inputs, needs)
+        torch.zeros(t.shape, dtype=t.dtype if i % 2 == 0 else dtype, device=t.device) if need else None
+        for i, (t, need) in enumerate(zip(inputs, needs))
     ]
-    if k1.shape[2] > 0 and any(needs):
-        nq = q1.shape[2]
-        for start, end in _segments(cu_seqlens, nq):
-            seq = slice(start, end) if cu_seqlens is not None else slice(None)
-            part = [None if t is None else t[:, :, seq] for t in (*inputs, *acc)]
-            _backward_dense_rows(
-                grad_kl[:, :, seq],
-                *part[:4],
-                kl[:, :, seq],
-                lse1[:, :, seq],
-                lse2[:, :, seq],
-                causal,
-                scale1,
-                scale2,
-                needs,
-                part[4:] + [dtype],
-            )
+    held = sum(
+        a.numel() * a.element_size() for a, t in zip(acc, inputs) if a is not None and a.dtype != t.dtype
+    )
+    if k1.shape[2] > 0 and kl.numel() > 0 and any(needs):
+        for seq in _segments(cu_seqlens, q1.shape[2]):
+            part = _sliced(seq, grad_kl, *inputs, kl, lse1, lse2, *acc)
+            _backward_dense_rows(*part[:8], causal, scale1, scale2, needs, part[8:], dtype, held)
     return tuple(None if a is None else a.to(t.dtype) for a, t in zip(acc, inputs))
