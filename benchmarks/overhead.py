@@ -163,6 +163,7 @@ def main(argv=None):
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--profile", action="store_true", help="print cProfile's hottest functions")
     p.add_argument("--json", help="write the rows and the environment here")
+    p.add_argument("--markdown", help="write the table as Markdown here")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -173,14 +174,41 @@ def main(argv=None):
     prof = profile(device, dtype, args.seqlen, backends[0], args.calls) if args.profile else None
     if prof:
         print(prof)
-    if args.json:
-        env = dict(device=name, torch=torch.__version__, seqlen=args.seqlen, dtype=str(dtype))
-        if device.type == "cuda":
-            import triton
+    env = dict(device=name, torch=torch.__version__, seqlen=args.seqlen, dtype=str(dtype).split(".")[-1])
+    if device.type == "cuda":
+        import triton
 
-            env["triton"] = triton.__version__
+        env["triton"] = triton.__version__
+    env.update(commit=_commit(), date=time.strftime("%Y-%m-%d"), calls=args.calls, repeats=args.repeats)
+    if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(environment=env, rows=rows, profile=prof), f, indent=1)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(markdown(env, rows))
+
+
+def markdown(env, rows) -> str:
+    """The rows as one table: per-call microseconds, forward and forward+backward."""
+    head = ", ".join(f"{k} {v}" for k, v in env.items())
+    lines = [f"<!-- made by benchmarks/overhead.py: {head} -->", "", "| | forward | forward + backward |"]
+    lines.append("| --- | --- | --- |")
+    table: dict[str, dict[str, float]] = {}
+    for row in rows:
+        table.setdefault(row["row"], {})[row["what"]] = row["us"]
+    for name, cols in table.items():
+        lines.append(f"| {name} | {cols.get('fwd', '-')} us | {cols.get('fwd+bwd', '-')} us |")
+    return "\n".join(lines) + "\n"
+
+
+def _commit() -> str:
+    import subprocess
+
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+        return out.stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
 
 
 if __name__ == "__main__":
