@@ -2,21 +2,24 @@
 
     PYTHONPATH=. python3 benchmarks/triton_tune.py [--parts fwd,ablate,ablate_bwd,split,bwd]
 
-For every variant: first a correctness check on fresh random data against the float64 dense
-formula (streamkl.testing.dense_attn_kl; forward kl/lse and the needed gradients, SPEC section 6
-budgets), then a timing with triton.testing.do_bench (median of repeats, warm-up excluded) on the
-benchmark shape (B=1, H=32, D=128, bf16 unless told). A bf16 8192^3 GEMM timed the same way, at
-the start and at the end of the run, is the yardstick. Prints a table last; writes JSON to
-$OUT/triton_tune.json (or --out).
+A variant is a set of kernel configs, passed to the launchers explicitly (None: the shipped
+table), plus the split-K and backward-strategy settings (STREAMKL_TRITON_SPLIT_K,
+STREAMKL_TRITON_BWD; None: the auto rules). For every variant: first a correctness check on fresh
+random data against the float64 dense formula (streamkl.testing.dense_attn_kl; forward kl/lse and
+the needed gradients, within the budgets of docs/contract.md, Numerics), then a timing with
+triton.testing.do_bench (median of repeats, warm-up excluded) on the benchmark shape (B=1, H=32,
+D=128, bf16 unless told). A bf16 8192^3 GEMM timed the same way, at the start and at the end of
+the run, is the yardstick. Prints a table last; writes JSON to $OUT/triton_tune.json (or --out).
 
-FLOP counts (SPEC section 7): forward = 4*B*H*Nq*Nk*D (two GEMMs), backward of one setting =
-8*B*H*Nq*Nk*D (four GEMMs: S1, S2 recomputed, dq, dk), both settings = 12*B*H*Nq*Nk*D; all halved
-when causal with Nq == Nk.
+FLOP counts (the GEMM count of streamkl/bench/flops.py): forward = 4*B*H*Nq*Nk*D (two GEMMs),
+backward of one setting = 8*B*H*Nq*Nk*D (four GEMMs: S1, S2 recomputed, dq, dk), both settings =
+12*B*H*Nq*Nk*D; all halved when causal with Nq == Nk.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import math
@@ -60,19 +63,52 @@ def gemm_tflops() -> float:
     return 2 * n**3 / ms / 1e9
 
 
-def apply_variant(fwd=None, bq=None, bk=None, split=None, bwd=None):
-    # None = the shipped table (streamkl/backends/triton/_config.py) / the auto rules.
-    _config.OVERRIDE["fwd"] = Cfg(*fwd) if fwd else None
-    _config.OVERRIDE["bwd_q"] = Cfg(*bq) if bq else None
-    _config.OVERRIDE["bwd_k"] = Cfg(*bk) if bk else None
-    set_env(split=split, bwd=bwd)
+def _cfg(c) -> Cfg | None:
+    """A Cfg from its JSON form: a list of the fields in order (block_m, block_n, num_warps,
+    num_stages, ablate, qrows) or a dict of them; None stays None (the shipped table)."""
+    if c is None or isinstance(c, Cfg):
+        return c
+    return Cfg(**c) if isinstance(c, dict) else Cfg(*c)
+
+
+def cfg_list(c: Cfg | None):
+    """The JSON form of a Cfg that a result row records."""
+    return None if c is None else list(dataclasses.astuple(c))
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """What one row runs. fwd, bq, bk: the forward, dq and key-major kernel configs passed to
+    the launchers (None: the shipped table, streamkl/backends/triton/_config.py); split, bwd:
+    STREAMKL_TRITON_SPLIT_K and STREAMKL_TRITON_BWD (None: the auto rules)."""
+
+    fwd: Cfg | None = None
+    bq: Cfg | None = None
+    bk: Cfg | None = None
+    split: str | int | None = None
+    bwd: str | None = None
+
+    @classmethod
+    def of(cls, fwd=None, bq=None, bk=None, split=None, bwd=None) -> Variant:
+        return cls(_cfg(fwd), _cfg(bq), _cfg(bk), split, bwd)
+
+    def set_env(self) -> None:
+        """Sets (or clears) the two variables the launchers read on every call."""
+        for key, val in (("STREAMKL_TRITON_SPLIT_K", self.split), ("STREAMKL_TRITON_BWD", self.bwd)):
+            if val is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = str(val)
+
+
+SHIPPED = Variant()
 
 
 def _prewarm_one(job):
     variant, chk = job
     try:
-        apply_variant(**variant)
-        check(**chk)
+        variant.set_env()
+        check(variant, **chk)
         return None
     except Exception as e:  # noqa: BLE001 - reported again by the main process
         return f"{variant} {type(e).__name__}: {str(e)[:120]}"
@@ -93,22 +129,14 @@ def prewarm(jobs, workers):
         log(f"  prewarm failure: {e}")
 
 
-def set_env(split=None, bwd=None):
-    for key, val in (("STREAMKL_TRITON_SPLIT_K", split), ("STREAMKL_TRITON_BWD", bwd)):
-        if val is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = str(val)
-
-
-def run_fwd(q1, k1, q2, k2, causal):
+def run_fwd(variant, q1, k1, q2, k2, causal):
     s1, s2 = 1 / math.sqrt(q1.shape[-1]), 1 / math.sqrt(q2.shape[-1])
     return _launch.forward(
-        q1, k1, q2, k2, causal=causal, scale1=s1, scale2=s2, cu_seqlens=None, max_seqlen=None
+        q1, k1, q2, k2, causal=causal, scale1=s1, scale2=s2, cu_seqlens=None, max_seqlen=None, cfg=variant.fwd
     )
 
 
-def run_bwd(g, q1, k1, q2, k2, out, causal, needs):
+def run_bwd(variant, g, q1, k1, q2, k2, out, causal, needs):
     s1, s2 = 1 / math.sqrt(q1.shape[-1]), 1 / math.sqrt(q2.shape[-1])
     return _launch.backward(
         g,
@@ -123,6 +151,7 @@ def run_bwd(g, q1, k1, q2, k2, out, causal, needs):
         cu_seqlens=None,
         max_seqlen=None,
         needs=needs,
+        cfgs=(variant.bq, variant.bk),
     )
 
 
@@ -133,13 +162,13 @@ NEEDS = {
 }
 
 
-def check(kind, causal, nq, nk, dtype=torch.bfloat16, d=128, h=4, seed=None):
-    """Max error / budget ratio (<= 1 passes) of the current variant on fresh data."""
+def check(variant, kind, causal, nq, nk, dtype=torch.bfloat16, d=128, h=4, seed=None):
+    """Max error / budget ratio (<= 1 passes) of `variant` on fresh data (its env settings set)."""
     seed = int(time.time_ns() % 2**31) if seed is None else seed
     q1, k1, q2, k2 = make_inputs(
         b=1, h=h, nq=nq, nk=nk, d1=d, d2=d, hk1=h // 2, hk2=h // 4 or 1, dtype=dtype, device="cuda", seed=seed
     )
-    kl, l1, l2 = run_fwd(q1, k1, q2, k2, causal)
+    kl, l1, l2 = run_fwd(variant, q1, k1, q2, k2, causal)
     ref_in = [t.detach().double().requires_grad_() for t in (q1, k1, q2, k2)]
     rkl, rl1, rl2 = dense_attn_kl(*ref_in, causal=causal, return_lse=True)
     tol = 2e-3 if dtype != torch.float32 else 1e-4
@@ -152,7 +181,7 @@ def check(kind, causal, nq, nk, dtype=torch.bfloat16, d=128, h=4, seed=None):
         return worst
     g = torch.randn_like(kl)
     rkl.backward(g.double())
-    grads = run_bwd(g, q1, k1, q2, k2, (kl, l1, l2), causal, NEEDS[kind])
+    grads = run_bwd(variant, g, q1, k1, q2, k2, (kl, l1, l2), causal, NEEDS[kind])
     gtol = 2e-2 if dtype != torch.float32 else 1e-3
     for got, ref in zip(grads, ref_in):
         if got is None:
@@ -224,11 +253,11 @@ def _inputs(nq, nk, seed):
     return make_inputs(b=B, h=H, nq=nq, nk=nk, d1=D, d2=D, dtype=torch.bfloat16, device="cuda", seed=seed)
 
 
-def time_fwd(ns, causal, gemm, **row):
-    """Time the current variant's forward at N = Nq = Nk for each N in ns; record a row each."""
+def time_fwd(v, ns, causal, gemm, **row):
+    """Time variant `v`'s forward at N = Nq = Nk for each N in ns; record a row each."""
     for n in ns:
         q1, k1, q2, k2 = _inputs(n, n, n)
-        ms = bench(lambda: run_fwd(q1, k1, q2, k2, causal))  # noqa: B023 - timed at once
+        ms = bench(lambda: run_fwd(v, q1, k1, q2, k2, causal))  # noqa: B023 - timed at once
         tf = flops("fwd", B, H, n, n, D, causal) / ms / 1e9
         record(shape=f"B{B} H{H} N{n} D{D}", ms=ms, tflops=tf, frac_gemm=tf / gemm, causal=causal, n=n, **row)
 
@@ -254,22 +283,24 @@ def kernel_ms(fn, iters=5) -> dict[str, float]:
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
-def time_bwd(ns, kind, causal, gemm, memory=False, per_kernel=False, resources=False, **row):
-    """Time the current variant's backward of `kind` at each N in ns; record a row each, with the
+def time_bwd(v, ns, kind, causal, gemm, memory=False, per_kernel=False, resources=False, **row):
+    """Time variant `v`'s backward of `kind` at each N in ns; record a row each, with the
     peak device memory beyond inputs, forward outputs and the gradients when `memory`, and the
     device time of each launch when `per_kernel`, and the registers and spills of the kernels
     it compiled when `resources`."""
     for n in ns:
         q1, k1, q2, k2 = _inputs(n, n, n)
-        out = run_fwd(q1, k1, q2, k2, causal)
+        out = run_fwd(v, q1, k1, q2, k2, causal)
         g = torch.randn_like(out[0])
-        ms = bench(lambda: run_bwd(g, q1, k1, q2, k2, out, causal, NEEDS[kind]))  # noqa: B023
+        ms = bench(lambda: run_bwd(v, g, q1, k1, q2, k2, out, causal, NEEDS[kind]))  # noqa: B023
         tf = flops(kind, B, H, n, n, D, causal) / ms / 1e9
         if resources:
             row["kernels"] = new_kernel_resources()
         if per_kernel:
             try:
-                row["kernels_ms"] = kernel_ms(lambda: run_bwd(g, q1, k1, q2, k2, out, causal, NEEDS[kind]))  # noqa: B023
+                row["kernels_ms"] = kernel_ms(
+                    lambda: run_bwd(v, g, q1, k1, q2, k2, out, causal, NEEDS[kind])  # noqa: B023
+                )
                 split = ", ".join(f"{k} {v:.3f} ms" for k, v in row["kernels_ms"].items())
                 log(f"       per kernel: {split}")
             except Exception as e:  # noqa: BLE001 - a profiler failure must not lose the timing
@@ -278,7 +309,7 @@ def time_bwd(ns, kind, causal, gemm, memory=False, per_kernel=False, resources=F
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
-            grads = run_bwd(g, q1, k1, q2, k2, out, causal, NEEDS[kind])
+            grads = run_bwd(v, g, q1, k1, q2, k2, out, causal, NEEDS[kind])
             torch.cuda.synchronize()
             own = sum(t.numel() * t.element_size() for t in grads if t is not None)
             row["extra_mem_mb"] = (torch.cuda.max_memory_allocated() - base - own) / 2**20
@@ -287,19 +318,19 @@ def time_bwd(ns, kind, causal, gemm, memory=False, per_kernel=False, resources=F
 
 
 def part_fwd(args, gemm):
-    plan = [(causal, cfg) for causal in (False, True) for cfg in args.fwd_cfgs]
+    plan = [(causal, Variant.of(fwd=cfg, split="off")) for causal in (False, True) for cfg in args.fwd_cfgs]
     chk = lambda causal: dict(kind="fwd", causal=causal, nq=1000, nk=1000 if causal else 1111)  # noqa: E731
-    prewarm([(dict(fwd=cfg, split="off"), chk(causal)) for causal, cfg in plan], args.workers)
-    for causal, cfg in plan:
-        apply_variant(fwd=cfg, split="off")
-        name = "default" if cfg is None else tuple(cfg)
+    prewarm([(v, chk(causal)) for causal, v in plan], args.workers)
+    for causal, v in plan:
+        v.set_env()
+        name = "default" if v.fwd is None else tuple(cfg_list(v.fwd))
         try:
-            err = check(**chk(causal))
-            variant = f"fwd {'causal' if causal else 'full'} {name}"
-            time_fwd(args.ns, causal, gemm, part="fwd", variant=variant, check=err, cfg=cfg)
+            err = check(v, **chk(causal))
+            label = f"fwd {'causal' if causal else 'full'} {name}"
+            time_fwd(v, args.ns, causal, gemm, part="fwd", variant=label, check=err, cfg=cfg_list(v.fwd))
         except Exception as e:  # noqa: BLE001 - a config that fails to compile is a result
-            log(f"fwd {cfg} causal={causal} FAILED: {type(e).__name__}: {str(e)[:200]}")
-    apply_variant()
+            log(f"fwd {v.fwd} causal={causal} FAILED: {type(e).__name__}: {str(e)[:200]}")
+    SHIPPED.set_env()
 
 
 ABLATIONS = {0: "shipped", 1: "no tile exp2", 2: "one GEMM (S2 := S1)", 3: "GEMMs alone"}
@@ -310,32 +341,33 @@ def part_ablate(args, gemm):
     exponentials, with one of its two GEMMs, and with nothing but the two GEMMs (Cfg.ablate;
     wrong results by design, so only the shipped variant is checked). TFLOP/s always count the
     full forward's FLOPs, so the rows compare as times."""
-    plan = [(causal, a) for causal in (False, True) for a in args.ablations]
 
-    def cfg_of(causal, a):
+    def variant_of(causal, a):
         c = _config.fwd_cfg(128, 128, torch.bfloat16, causal, 1 << 14, False)
-        return [c.block_m, c.block_n, c.num_warps, c.num_stages, a]
+        return Variant(fwd=dataclasses.replace(c, ablate=a), split="off")
 
+    plan = [(causal, a, variant_of(causal, a)) for causal in (False, True) for a in args.ablations]
     chk = lambda causal: dict(kind="fwd", causal=causal, nq=1000, nk=1000 if causal else 1111)  # noqa: E731
-    prewarm([(dict(fwd=cfg_of(c, a), split="off"), chk(c)) for c, a in plan], args.workers)
-    for causal, a in plan:
-        apply_variant(fwd=cfg_of(causal, a), split="off")
+    prewarm([(v, chk(causal)) for causal, _, v in plan], args.workers)
+    for causal, a, v in plan:
+        v.set_env()
         try:
-            err = check(**chk(causal)) if a == 0 else None
-            variant = f"fwd {'causal' if causal else 'full'} {ABLATIONS[a]}"
+            err = check(v, **chk(causal)) if a == 0 else None
+            label = f"fwd {'causal' if causal else 'full'} {ABLATIONS[a]}"
             time_fwd(
+                v,
                 args.ns,
                 causal,
                 gemm,
                 part="ablate",
-                variant=variant,
+                variant=label,
                 check=err,
                 ablate=a,
-                cfg=cfg_of(causal, a),
+                cfg=cfg_list(v.fwd),
             )
         except Exception as e:  # noqa: BLE001
             log(f"ablate {a} causal={causal} FAILED: {type(e).__name__}: {str(e)[:200]}")
-    apply_variant()
+    SHIPPED.set_env()
 
 
 def part_ablate_bwd(args, gemm):
@@ -345,71 +377,65 @@ def part_ablate_bwd(args, gemm):
     splits its time per kernel (profiler). A last row per (kind, causal) times the fused strategy
     with the same tiles (4 GEMMs instead of separate's 6, dq by atomics). TFLOP/s count the full
     backward (four GEMMs) so the rows compare as times."""
+
+    def variant_of(kind, causal, a):
+        cq, ck = _config.bwd_cfgs(128, 128, torch.bfloat16, causal, False, kind == "bwd12")
+        ablate = 0 if a == "fused" else a
+        return Variant(
+            bq=dataclasses.replace(cq, ablate=ablate),
+            bk=dataclasses.replace(ck, ablate=ablate),
+            split="off",
+            bwd="fused" if a == "fused" else "separate",
+        )
+
     plan = [
-        (kind, causal, a)
+        (kind, causal, a, variant_of(kind, causal, a))
         for kind in args.bwd_kinds
         for causal in (False, True)
         for a in [*args.ablations, "fused"]
     ]
-
-    def cfgs_of(kind, causal, a):
-        cq, ck = _config.bwd_cfgs(128, 128, torch.bfloat16, causal, False, kind == "bwd12")
-        a = 0 if a == "fused" else a
-        return (
-            [cq.block_m, cq.block_n, cq.num_warps, cq.num_stages, a],
-            [ck.block_m, ck.block_n, ck.num_warps, ck.num_stages, a, ck.qrows],
-        )
-
-    def strategy_of(a):
-        return "fused" if a == "fused" else "separate"
-
     chk = lambda kind, causal: dict(kind=kind, causal=causal, nq=700, nk=700 if causal else 777)  # noqa: E731
-    prewarm(
-        [
-            (dict(bq=cfgs_of(k, c, a)[0], bk=cfgs_of(k, c, a)[1], bwd=strategy_of(a), split="off"), chk(k, c))
-            for k, c, a in plan
-        ],
-        args.workers,
-    )
-    for kind, causal, a in plan:
-        bq, bk = cfgs_of(kind, causal, a)
-        apply_variant(bq=bq, bk=bk, bwd=strategy_of(a), split="off")
+    prewarm([(v, chk(k, c)) for k, c, _, v in plan], args.workers)
+    for kind, causal, a, v in plan:
+        v.set_env()
         try:
-            err = check(**chk(kind, causal)) if a in (0, "fused") else None
+            err = check(v, **chk(kind, causal)) if a in (0, "fused") else None
             name = "fused strategy, shipped tiles" if a == "fused" else ABLATIONS[a]
-            variant = f"{kind} {'causal' if causal else 'full'} {name}"
+            label = f"{kind} {'causal' if causal else 'full'} {name}"
             time_bwd(
+                v,
                 args.bwd_ns,
                 kind,
                 causal,
                 gemm,
                 per_kernel=True,
                 part="ablate_" + kind,
-                variant=variant,
+                variant=label,
                 check=err,
-                ablate=0 if a == "fused" else a,
-                strategy=strategy_of(a),
-                cfg_q=bq,
-                cfg_k=bk,
+                ablate=v.bq.ablate,
+                strategy=v.bwd,
+                cfg_q=cfg_list(v.bq),
+                cfg_k=cfg_list(v.bk),
             )
         except Exception as e:  # noqa: BLE001
             log(f"ablate {kind} {a} causal={causal} FAILED: {type(e).__name__}: {str(e)[:200]}")
-    apply_variant()
+    SHIPPED.set_env()
 
 
 def part_split(args, gemm):
     b, h, d = B, H, D
     splits = [x if x in ("off", "auto") else int(x) for x in args.splits]
     chk = lambda nq: dict(kind="fwd", causal=False, nq=nq, nk=3000)  # noqa: E731
-    prewarm([(dict(split=sp), chk(nq)) for nq in args.split_nqs for sp in ("off", "auto")], args.workers)
+    prewarm([(Variant(split=sp), chk(nq)) for nq in args.split_nqs for sp in ("off", "auto")], args.workers)
     for nk in args.split_nks:
         for nq in args.split_nqs:
             q1, k1, q2, k2 = _inputs(nq, nk, nq)
             for split in splits:
-                apply_variant(split=split)
+                v = Variant(split=split)
+                v.set_env()
                 try:
-                    err = check(**chk(nq)) if split in ("off", "auto", 8) else None
-                    ms = bench(lambda: run_fwd(q1, k1, q2, k2, False), 100)  # noqa: B023
+                    err = check(v, **chk(nq)) if split in ("off", "auto", 8) else None
+                    ms = bench(lambda: run_fwd(v, q1, k1, q2, k2, False), 100)  # noqa: B023
                     tf = flops("fwd", b, h, nq, nk, d, False) / ms / 1e9
                     cfg = _config.fwd_cfg(128, 128, torch.bfloat16, False, nq, False)
                     chosen = _config.split_count(
@@ -434,32 +460,31 @@ def part_split(args, gemm):
                     )
                 except Exception as e:  # noqa: BLE001
                     log(f"split {split} nq={nq} FAILED: {type(e).__name__}: {str(e)[:200]}")
-    apply_variant()
+    SHIPPED.set_env()
 
 
 def part_bwd(args, gemm):
     plan = [
-        (kind, causal, strategy, bq, bk)
+        (kind, causal, Variant.of(bq=bq, bk=bk, bwd=strategy, split="off"))
         for kind in args.bwd_kinds
         for causal in (False, True)
         for strategy in args.strategies
         for bq, bk in args.bwd_cfgs
     ]
     chk = lambda kind, causal: dict(kind=kind, causal=causal, nq=700, nk=700 if causal else 777)  # noqa: E731
-    prewarm(
-        [(dict(bq=bq, bk=bk, bwd=st, split="off"), chk(kind, causal)) for kind, causal, st, bq, bk in plan],
-        args.workers,
-    )
-    for kind, causal, strategy, bq, bk in plan:
-        apply_variant(bq=bq, bk=bk, bwd=strategy, split="off")
+    prewarm([(v, chk(kind, causal)) for kind, causal, v in plan], args.workers)
+    for kind, causal, v in plan:
+        v.set_env()
+        bq, bk = cfg_list(v.bq), cfg_list(v.bk)
         try:
-            err = check(**chk(kind, causal))
-            variant = f"{strategy[:3]} {'causal' if causal else 'full'} " + (
+            err = check(v, **chk(kind, causal))
+            label = f"{v.bwd[:3]} {'causal' if causal else 'full'} " + (
                 "default"
                 if bq is None and bk is None
                 else f"q{'=table' if bq is None else tuple(bq)} k{'=table' if bk is None else tuple(bk)}"
             )
             time_bwd(
+                v,
                 args.bwd_ns,
                 kind,
                 causal,
@@ -468,15 +493,15 @@ def part_bwd(args, gemm):
                 per_kernel=True,
                 resources=True,
                 part=kind,
-                variant=variant,
+                variant=label,
                 check=err,
-                strategy=strategy,
+                strategy=v.bwd,
                 cfg_q=bq,
                 cfg_k=bk,
             )
         except Exception as e:  # noqa: BLE001
-            log(f"{kind} {strategy} {bq} {bk} causal={causal} FAILED: {type(e).__name__}: {str(e)[:300]}")
-    apply_variant()
+            log(f"{kind} {v.bwd} {bq} {bk} causal={causal} FAILED: {type(e).__name__}: {str(e)[:300]}")
+    SHIPPED.set_env()
 
 
 def dump(args, meta):

@@ -8,6 +8,7 @@ measured selection rules.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 import torch
@@ -17,9 +18,20 @@ from ... import _env
 MAX_HEAD_DIM = 256
 
 
+@functools.cache
+def _installed(find_spec) -> bool:
+    # Keyed on the finder, so one replaced in a test is asked anew; otherwise asked once.
+    return find_spec("triton") is not None
+
+
+@functools.cache
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
 def supports(q1, k1, q2, k2, cu_seqlens) -> str | None:
     """None when this backend can run the (validated) inputs, else the reason it cannot."""
-    if importlib.util.find_spec("triton") is None:
+    if not _installed(importlib.util.find_spec):
         return "triton is not installed (pip install 'streamkl[triton]')"
     tensors = (q1, k1, q2, k2)
     if any(t.dtype not in (torch.float16, torch.bfloat16, torch.float32) for t in tensors):
@@ -31,7 +43,7 @@ def supports(q1, k1, q2, k2, cu_seqlens) -> str | None:
         )
     device = q1.device
     if device.type == "cuda":
-        major, _ = torch.cuda.get_device_capability(device)
+        major, _ = _capability(device)
         if major < 8 and any(t.dtype == torch.bfloat16 for t in tensors):
             return "bfloat16 needs a GPU of compute capability 8.0 or newer"
         if major < 7:

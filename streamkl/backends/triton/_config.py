@@ -105,9 +105,6 @@ _BWD_K = {
     (256, True, True): Cfg(16, 32, 4, 1),
 }
 
-# Overrides set by benchmarks/triton_tune.py while it sweeps; None in normal use.
-OVERRIDE: dict[str, Cfg | None] = {"fwd": None, "bwd_q": None, "bwd_k": None}
-
 INTERPRET_CFG = Cfg(16, 16, 4, 1)  # tiny tiles, so the CPU tests cross tile boundaries
 INTERPRET_BWD_K_CFG = Cfg(16, 16, 4, 1, qrows=True)  # the layout the GPU table picks
 
@@ -117,28 +114,37 @@ def _key(d1p: int, d2p: int, dtype: torch.dtype) -> tuple[int, bool]:
     return (min(d, 256), dtype == torch.float32)
 
 
-def fwd_cfg(d1p: int, d2p: int, dtype: torch.dtype, causal: bool, nq: int, interpret: bool) -> Cfg:
-    if OVERRIDE["fwd"] is not None:
-        cfg = OVERRIDE["fwd"]
-    elif interpret:
-        cfg = INTERPRET_CFG
-    else:
-        cfg = _FWD[(*_key(d1p, d2p, dtype), bool(causal))]
+def fwd_cfg(
+    d1p: int, d2p: int, dtype: torch.dtype, causal: bool, nq: int, interpret: bool, cfg: Cfg | None = None
+) -> Cfg:
+    """The forward's config: `cfg` (benchmarks/triton_tune.py's variants) or the table's, with
+    BLOCK_M fitted to Nq."""
+    if cfg is None:
+        cfg = INTERPRET_CFG if interpret else _FWD[(*_key(d1p, d2p, dtype), bool(causal))]
     # Decode-sized Nq: a BLOCK_M no larger than Nq (at least 16, tl.dot's minimum).
     bm = max(16, min(cfg.block_m, _next_pow2(nq)))
     return Cfg(bm, cfg.block_n, cfg.num_warps if bm >= 64 else 4, cfg.num_stages, cfg.ablate)
 
 
 def bwd_cfgs(
-    d1p: int, d2p: int, dtype: torch.dtype, causal: bool, interpret: bool, both: bool = False
+    d1p: int,
+    d2p: int,
+    dtype: torch.dtype,
+    causal: bool,
+    interpret: bool,
+    both: bool = False,
+    cfgs: tuple[Cfg | None, Cfg | None] | None = None,
 ) -> tuple[Cfg, Cfg]:
-    """(dq kernel, key-major kernel) configs; `both`: gradients of both settings requested."""
+    """(dq kernel, key-major kernel) configs; `both`: gradients of both settings requested.
+    `cfgs` (benchmarks/triton_tune.py's variants) replaces either table entry that is not None."""
     if interpret:
         q, k = INTERPRET_CFG, INTERPRET_BWD_K_CFG
     else:
         key = (*_key(d1p, d2p, dtype), bool(both))
         q, k = _BWD_Q[key], _BWD_K[key]
-    return OVERRIDE["bwd_q"] or q, OVERRIDE["bwd_k"] or k
+    if cfgs is not None:
+        q, k = cfgs[0] or q, cfgs[1] or k
+    return q, k
 
 
 def split_count(n_ctas: int, nk_tiles: int, num_sms: int, forced: int | None, block_m: int = 128) -> int:

@@ -1,8 +1,17 @@
-"""Launchers: pick configs, allocate outputs, pass every stride (no input is ever copied)."""
+"""Launchers: pick configs, allocate outputs, pass every stride (no input is ever copied).
+
+What a launch needs besides the tensors (configs, grids, split count, constexprs, the backward
+strategy and its key-major launches) is a plan, computed once per key by `fwd_plan` /
+`bwd_plan` (functools.lru_cache) from the sizes, dtype, flags, device and the STREAMKL_TRITON_*
+settings. The launchers read those settings through streamkl._env on every call and pass their
+values in, so a call pays a cache lookup, never the selection rules.
+"""
 
 from __future__ import annotations
 
+import functools
 import math
+from typing import NamedTuple
 
 import torch
 import triton
@@ -10,12 +19,15 @@ import triton
 from ... import _env
 from . import _config
 from ._bwd import _bwd_dk_kernel, _bwd_dq_kernel
-from ._config import pow2_dim
+from ._config import Cfg, pow2_dim
 from ._fwd import _fwd_kernel, _merge_kernel
 
 LOG2E = 1.4426950408889634
+PLAN_CACHE_SIZE = 1024  # distinct shape keys kept (varlen batches key on max_seqlen)
+MERGE_BLOCK_R = 128
 
 
+@functools.cache
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -23,7 +35,8 @@ def _num_sms(device: torch.device) -> int:
 
 
 def _prec(dtype: torch.dtype) -> str:
-    # fp32 inputs: true fp32 products (tf32 off, SPEC section 6); 16-bit inputs ignore this.
+    # fp32 inputs: true fp32 products (tf32 off: docs/contract.md, Numerics); 16-bit inputs
+    # ignore this.
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
@@ -47,51 +60,92 @@ def _geometry(q1, k1, q2, k2, cu_seqlens, max_seqlen):
     return B, H, NQ, NK, D1, D2, g1, g2, rows, zdim
 
 
-def forward(q1, k1, q2, k2, *, causal, scale1, scale2, cu_seqlens, max_seqlen):
-    B, H, NQ, NK, D1, D2, g1, g2, rows, zdim = _geometry(q1, k1, q2, k2, cu_seqlens, max_seqlen)
+class FwdPlan(NamedTuple):
+    grid: tuple[int, int, int]
+    splits: int  # key splits (1: no split, no merge)
+    split_len: int  # keys per split
+    consts: dict  # _fwd_kernel's constexprs and launch options
+    merge_grid: tuple[int] | None
+    merge_consts: dict | None
+
+
+@functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
+def fwd_plan(
+    H: int,
+    NQ: int,
+    NK: int,
+    D1: int,
+    D2: int,
+    rows: int,
+    zdim: int,
+    dtype: torch.dtype,
+    causal: bool,
+    varlen: bool,
+    device: torch.device,
+    forced_splits: int | None,
+    cfg: Cfg | None,
+    n_rows: int,
+) -> FwdPlan:
+    """The forward's launches. rows: query rows per grid slot (Nq, or max_seqlen when varlen);
+    zdim: the grid's third axis (B or the number of packed sequences); forced_splits: the value
+    of STREAMKL_TRITON_SPLIT_K (_env.triton_split_k); cfg: a config replacing the table's
+    (benchmarks/triton_tune.py); n_rows: B * H * Nq, the rows the split-K merge covers."""
     D1P, D2P = pow2_dim(D1), pow2_dim(D2)
-    dev = q1.device
-    interpret = dev.type != "cuda"
-    kl = torch.empty((B, H, NQ), device=dev, dtype=torch.float32)
-    lse1 = torch.empty_like(kl)
-    lse2 = torch.empty_like(kl)
-    if B * H * NQ == 0:
-        return kl, lse1, lse2
-    varlen = cu_seqlens is not None
-    cfg = _config.fwd_cfg(D1P, D2P, q1.dtype, causal, rows, interpret)
+    cfg = _config.fwd_cfg(D1P, D2P, dtype, causal, rows, device.type != "cuda", cfg)
     m_tiles = triton.cdiv(rows, cfg.block_m)
     nk = rows if varlen else NK
     nk_tiles = triton.cdiv(max(nk, 1), cfg.block_n)
     splits = 1
     if not varlen:
         splits = _config.split_count(
-            zdim * H * m_tiles, nk_tiles, _num_sms(dev), _env.triton_split_k(), cfg.block_m
+            zdim * H * m_tiles, nk_tiles, _num_sms(device), forced_splits, cfg.block_m
         )
-    cu = cu_seqlens if varlen else kl  # placeholder pointer when not varlen (never read)
-    c1 = float(scale1) * LOG2E
-    c2 = float(scale2) * LOG2E
-    common = dict(
+    split_len = nk
+    if splits > 1:
+        # Split-K: each split covers a whole number of key tiles.
+        split_len = triton.cdiv(nk_tiles, splits) * cfg.block_n
+        splits = triton.cdiv(nk, split_len)
+    consts = dict(
         D1=D1,
         D2=D2,
         D1P=D1P,
         D2P=D2P,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
-        CAUSAL=bool(causal),
+        CAUSAL=causal,
         VARLEN=varlen,
-        PREC=_prec(q1.dtype),
+        SPLIT=splits > 1,
+        PREC=_prec(dtype),
         ABLATE=int(cfg.ablate),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
-    part = kl  # placeholder pointer without split-K (never read)
-    split_len = nk
+    merge_grid = merge_consts = None
     if splits > 1:
-        # Split-K: each split covers a whole number of key tiles.
-        split_len = triton.cdiv(nk_tiles, splits) * cfg.block_n
-        splits = triton.cdiv(nk, split_len)
-        part = torch.empty((5, splits, B, H, NQ), device=dev, dtype=torch.float32)
-    _fwd_kernel[(m_tiles * splits, H, zdim)](
+        merge_grid = (triton.cdiv(n_rows, MERGE_BLOCK_R),)
+        merge_consts = dict(SPLITS_P=triton.next_power_of_2(splits), BLOCK_R=MERGE_BLOCK_R, num_warps=4)
+    return FwdPlan((m_tiles * splits, H, zdim), splits, split_len, consts, merge_grid, merge_consts)
+
+
+def forward(q1, k1, q2, k2, *, causal, scale1, scale2, cu_seqlens, max_seqlen, cfg: Cfg | None = None):
+    """The backend's forward (streamkl/backends/__init__.py). cfg: a forward config replacing
+    the table's (benchmarks/triton_tune.py's variants); BLOCK_M still fits Nq."""
+    B, H, NQ, NK, D1, D2, g1, g2, rows, zdim = _geometry(q1, k1, q2, k2, cu_seqlens, max_seqlen)
+    dev = q1.device
+    kl = torch.empty((B, H, NQ), device=dev, dtype=torch.float32)
+    lse1 = torch.empty_like(kl)
+    lse2 = torch.empty_like(kl)
+    n_rows = B * H * NQ
+    if n_rows == 0:
+        return kl, lse1, lse2
+    varlen = cu_seqlens is not None
+    forced = None if varlen else _env.triton_split_k()
+    plan = fwd_plan(H, NQ, NK, D1, D2, rows, zdim, q1.dtype, bool(causal), varlen, dev, forced, cfg, n_rows)
+    cu = cu_seqlens if varlen else kl  # placeholder pointer when not varlen (never read)
+    part = kl  # placeholder pointer without split-K (never read)
+    if plan.splits > 1:
+        part = torch.empty((5, plan.splits, B, H, NQ), device=dev, dtype=torch.float32)
+    _fwd_kernel[plan.grid](
         q1,
         k1,
         q2,
@@ -107,130 +161,81 @@ def forward(q1, k1, q2, k2, *, causal, scale1, scale2, cu_seqlens, max_seqlen):
         NK,
         g1,
         g2,
-        c1,
-        c2,
-        split_len,
-        splits,
-        SPLIT=splits > 1,
-        **common,
+        float(scale1) * LOG2E,
+        float(scale2) * LOG2E,
+        plan.split_len,
+        plan.splits,
+        **plan.consts,
     )
-    if splits == 1:
-        return kl, lse1, lse2
-    n_rows = B * H * NQ
-    block_r = 128
-    _merge_kernel[(triton.cdiv(n_rows, block_r),)](
-        part,
-        kl,
-        lse1,
-        lse2,
-        n_rows,
-        splits,
-        SPLITS_P=triton.next_power_of_2(splits),
-        BLOCK_R=block_r,
-        num_warps=4,
-    )
+    if plan.merge_grid is not None:
+        _merge_kernel[plan.merge_grid](part, kl, lse1, lse2, n_rows, plan.splits, **plan.merge_consts)
     return kl, lse1, lse2
 
 
-def backward(
-    grad_kl, q1, k1, q2, k2, kl, lse1, lse2, *, causal, scale1, scale2, cu_seqlens, max_seqlen, needs
-):
-    B, H, NQ, NK, D1, D2, g1, g2, rows, zdim = _geometry(q1, k1, q2, k2, cu_seqlens, max_seqlen)
-    D1P, D2P = pow2_dim(D1), pow2_dim(D2)
-    dev = q1.device
-    interpret = dev.type != "cuda"
-    need_dq1, need_dk1, need_dq2, need_dk2 = (bool(x) for x in needs)
-    dq1 = torch.empty_like(q1, memory_format=torch.contiguous_format) if need_dq1 else None
-    dq2 = torch.empty_like(q2, memory_format=torch.contiguous_format) if need_dq2 else None
-    dk1 = torch.empty_like(k1, memory_format=torch.contiguous_format) if need_dk1 else None
-    dk2 = torch.empty_like(k2, memory_format=torch.contiguous_format) if need_dk2 else None
-    out = (dq1, dk1, dq2, dk2)
-    if not any(needs):
-        return out
-    if B * H * NQ == 0 or NK == 0:
-        for t in out:
-            if t is not None:
-                t.zero_()
-        return out
-    grad_kl = grad_kl.to(torch.float32).contiguous()
-    kl, lse1, lse2 = (t.to(torch.float32).contiguous() for t in (kl, lse1, lse2))
-    varlen = cu_seqlens is not None
-    cu = cu_seqlens if varlen else kl
-    nk = rows if varlen else NK
-    both = (need_dq1 or need_dk1) and (need_dq2 or need_dk2)
-    cq, ck = _config.bwd_cfgs(D1P, D2P, q1.dtype, causal, interpret, both)
-    c1 = float(scale1) * LOG2E
-    c2 = float(scale2) * LOG2E
-    prec = _prec(q1.dtype)
-    strides = _strides(q1, k1, q2, k2)
-    dims = dict(D1=D1, D2=D2, D1P=D1P, D2P=D2P, CAUSAL=bool(causal), VARLEN=varlen, PREC=prec)
-    dummy = kl
+class KeyMajorLaunch(NamedTuple):
+    grid: tuple[int, int, int]
+    gg: int  # query heads a program walks (its key-head group)
+    dk1: bool  # writes dk1
+    dk2: bool  # writes dk2
+    fq1: bool  # adds dq1 into its fp32 accumulator (fused)
+    fq2: bool  # adds dq2 into its fp32 accumulator (fused)
+    consts: dict  # _bwd_dk_kernel's constexprs and launch options
 
-    strategy = _env.triton_bwd()
+
+class BwdPlan(NamedTuple):
+    fused: bool  # dq by atomics in the key-major launches, no dq launch
+    key_major: tuple[KeyMajorLaunch, ...]
+    dq_grid: tuple[int, int, int] | None  # None: no dq launch
+    dq_consts: dict | None  # _bwd_dq_kernel's constexprs and launch options
+
+
+@functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
+def bwd_plan(
+    H: int,
+    D1: int,
+    D2: int,
+    g1: int,
+    g2: int,
+    rows: int,
+    nk: int,
+    zdim: int,
+    dtype: torch.dtype,
+    causal: bool,
+    varlen: bool,
+    needs: tuple[bool, bool, bool, bool],
+    device: torch.device,
+    strategy: str,
+    cfgs: tuple[Cfg | None, Cfg | None] | None,
+) -> BwdPlan:
+    """The backward's launches. rows, zdim as in fwd_plan; nk: keys per grid slot; strategy:
+    the value of STREAMKL_TRITON_BWD (_env.triton_bwd); cfgs: (dq, key-major) configs replacing
+    the table's where not None (benchmarks/triton_tune.py)."""
+    need_dq1, need_dk1, need_dq2, need_dk2 = needs
+    D1P, D2P = pow2_dim(D1), pow2_dim(D2)
+    both = (need_dq1 or need_dk1) and (need_dq2 or need_dk2)
+    cq, ck = _config.bwd_cfgs(D1P, D2P, dtype, causal, device.type != "cuda", both, cfgs)
+    dims = dict(D1=D1, D2=D2, D1P=D1P, D2P=D2P, CAUSAL=causal, VARLEN=varlen, PREC=_prec(dtype))
     if strategy == "auto":
-        strategy = choose_bwd(zdim, H, rows, nk, g1, g2, needs, cq, ck, _num_sms(dev))
+        strategy = choose_bwd(zdim, H, rows, nk, g1, g2, needs, cq, ck, _num_sms(device))
     fused = strategy == "fused" and (need_dk1 or need_dk2) and (need_dq1 or need_dq2)
 
     # Key-major launches: one per distinct grouping of the key heads. With g1 == g2 a single
     # launch serves dk1 and dk2; otherwise dk1 walks groups of g1 heads and dk2 groups of g2.
-    launches = []
+    groups = []
     if need_dk1 and need_dk2 and g1 == g2:
-        launches.append((g1, True, True))
+        groups.append((g1, True, True))
     else:
         if need_dk1:
-            launches.append((g1, True, False))
+            groups.append((g1, True, False))
         if need_dk2:
-            launches.append((g2, False, True))
-    dqa1 = dqa2 = None
-    fq = [False, False]
-    if fused:
-        fq = [need_dq1, need_dq2]
-        dqa1 = (
-            (
-                dq1 if q1.dtype == torch.float32 else torch.empty(q1.shape, device=dev, dtype=torch.float32)
-            ).zero_()
-            if need_dq1
-            else None
-        )
-        dqa2 = (
-            (
-                dq2 if q2.dtype == torch.float32 else torch.empty(q2.shape, device=dev, dtype=torch.float32)
-            ).zero_()
-            if need_dq2
-            else None
-        )
+            groups.append((g2, False, True))
+    fq = (need_dq1, need_dq2) if fused else (False, False)
     # dq_t rides on the launch that already forms dS_t for dk_t, else on the first launch.
-    owner = [next((i for i, la in enumerate(launches) if la[1 + t]), 0) if fq[t] else -1 for t in (0, 1)]
-    for i, (gg, do1, do2) in enumerate(launches):
-        f1 = owner[0] == i
-        f2 = owner[1] == i
-        _bwd_dk_kernel[(triton.cdiv(nk, ck.block_n), H // gg, zdim)](
-            q1,
-            k1,
-            q2,
-            k2,
-            grad_kl,
-            kl,
-            lse1,
-            lse2,
-            dk1 if do1 else dummy,
-            dk2 if do2 else dummy,
-            dqa1 if f1 else dummy,
-            dqa2 if f2 else dummy,
-            cu,
-            *strides,
-            H,
-            k1.shape[1],
-            k2.shape[1],
-            NQ,
-            NK,
-            g1,
-            g2,
-            gg,
-            c1,
-            c2,
-            float(scale1),
-            float(scale2),
+    owner = [next((i for i, la in enumerate(groups) if la[1 + t]), 0) if fq[t] else -1 for t in (0, 1)]
+    key_major = []
+    for i, (gg, do1, do2) in enumerate(groups):
+        f1, f2 = owner[0] == i, owner[1] == i
+        consts = dict(
             BLOCK_M=ck.block_m,
             BLOCK_N=ck.block_n,
             DK1_ON=do1,
@@ -243,13 +248,133 @@ def backward(
             num_stages=ck.num_stages,
             **dims,
         )
-    if fused:
+        key_major.append(
+            KeyMajorLaunch((triton.cdiv(nk, ck.block_n), H // gg, zdim), gg, do1, do2, f1, f2, consts)
+        )
+    dq_grid = dq_consts = None
+    if not fused and (need_dq1 or need_dq2):
+        dq_grid = (triton.cdiv(rows, cq.block_m), H, zdim)
+        dq_consts = dict(
+            BLOCK_M=cq.block_m,
+            BLOCK_N=cq.block_n,
+            DQ1_ON=need_dq1,
+            DQ2_ON=need_dq2,
+            ABLATE=cq.ablate,
+            num_warps=cq.num_warps,
+            num_stages=cq.num_stages,
+            **dims,
+        )
+    return BwdPlan(fused, tuple(key_major), dq_grid, dq_consts)
+
+
+def _dq_accumulator(dq: torch.Tensor) -> torch.Tensor:
+    """The fused strategy's zeroed fp32 dq buffer: the output itself when it is fp32."""
+    if dq.dtype == torch.float32:
+        return dq.zero_()
+    return torch.zeros(dq.shape, device=dq.device, dtype=torch.float32)
+
+
+def backward(
+    grad_kl,
+    q1,
+    k1,
+    q2,
+    k2,
+    kl,
+    lse1,
+    lse2,
+    *,
+    causal,
+    scale1,
+    scale2,
+    cu_seqlens,
+    max_seqlen,
+    needs,
+    cfgs: tuple[Cfg | None, Cfg | None] | None = None,
+):
+    """The backend's backward (streamkl/backends/__init__.py). cfgs: (dq kernel, key-major
+    kernel) configs replacing the table's where not None (benchmarks/triton_tune.py)."""
+    B, H, NQ, NK, D1, D2, g1, g2, rows, zdim = _geometry(q1, k1, q2, k2, cu_seqlens, max_seqlen)
+    needs = tuple(bool(x) for x in needs)
+    need_dq1, need_dk1, need_dq2, need_dk2 = needs
+    empty = B * H * NQ == 0 or NK == 0
+    alloc = torch.zeros_like if empty else torch.empty_like  # nothing to launch: zero gradients
+    dq1 = alloc(q1, memory_format=torch.contiguous_format) if need_dq1 else None
+    dk1 = alloc(k1, memory_format=torch.contiguous_format) if need_dk1 else None
+    dq2 = alloc(q2, memory_format=torch.contiguous_format) if need_dq2 else None
+    dk2 = alloc(k2, memory_format=torch.contiguous_format) if need_dk2 else None
+    out = (dq1, dk1, dq2, dk2)
+    if empty or not any(needs):
+        return out
+    grad_kl = grad_kl.to(torch.float32).contiguous()
+    kl, lse1, lse2 = (t.to(torch.float32).contiguous() for t in (kl, lse1, lse2))
+    varlen = cu_seqlens is not None
+    nk = rows if varlen else NK
+    plan = bwd_plan(
+        H,
+        D1,
+        D2,
+        g1,
+        g2,
+        rows,
+        nk,
+        zdim,
+        q1.dtype,
+        bool(causal),
+        varlen,
+        needs,
+        q1.device,
+        _env.triton_bwd(),
+        cfgs,
+    )
+    cu = cu_seqlens if varlen else kl  # placeholder pointer when not varlen (never read)
+    dummy = kl  # placeholder pointer of an output a launch does not write (never read)
+    c1 = float(scale1) * LOG2E
+    c2 = float(scale2) * LOG2E
+    s1 = float(scale1)
+    s2 = float(scale2)
+    strides = _strides(q1, k1, q2, k2)
+    dqa1 = dqa2 = None
+    if plan.fused:
+        dqa1 = _dq_accumulator(dq1) if need_dq1 else None
+        dqa2 = _dq_accumulator(dq2) if need_dq2 else None
+    for la in plan.key_major:
+        _bwd_dk_kernel[la.grid](
+            q1,
+            k1,
+            q2,
+            k2,
+            grad_kl,
+            kl,
+            lse1,
+            lse2,
+            dk1 if la.dk1 else dummy,
+            dk2 if la.dk2 else dummy,
+            dqa1 if la.fq1 else dummy,
+            dqa2 if la.fq2 else dummy,
+            cu,
+            *strides,
+            H,
+            k1.shape[1],
+            k2.shape[1],
+            NQ,
+            NK,
+            g1,
+            g2,
+            la.gg,
+            c1,
+            c2,
+            s1,
+            s2,
+            **la.consts,
+        )
+    if plan.fused:
         if need_dq1 and dqa1 is not dq1:
             dq1.copy_(dqa1)
         if need_dq2 and dqa2 is not dq2:
             dq2.copy_(dqa2)
-    elif need_dq1 or need_dq2:
-        _bwd_dq_kernel[(triton.cdiv(rows, cq.block_m), H, zdim)](
+    if plan.dq_grid is not None:
+        _bwd_dq_kernel[plan.dq_grid](
             q1,
             k1,
             q2,
@@ -269,16 +394,9 @@ def backward(
             g2,
             c1,
             c2,
-            float(scale1),
-            float(scale2),
-            BLOCK_M=cq.block_m,
-            BLOCK_N=cq.block_n,
-            DQ1_ON=need_dq1,
-            DQ2_ON=need_dq2,
-            ABLATE=cq.ablate,
-            num_warps=cq.num_warps,
-            num_stages=cq.num_stages,
-            **dims,
+            s1,
+            s2,
+            **plan.dq_consts,
         )
     return out
 
@@ -290,19 +408,11 @@ def choose_bwd(Z, H, rows, nk, g1, g2, needs, cq, ck, num_sms) -> str:
     the GPU each. Otherwise separate. Z is the grids' third axis: the batch, or the number of
     packed sequences. The fused fp32 dq accumulator then holds at most SMs * BLOCK_M rows.
 
-    Measured on the H200 with the shipped tiles (B=1, H=32, D=128, bf16, setting 1, 2026-11-29,
-    commit 902b6aa; docs/triton.md), separate vs fused, ms, non-causal / causal:
-      N=1024:               0.136 vs 0.237 / 0.121 vs 0.162
-      N=4096:               1.73 vs 2.77 / 0.99 vs 1.48
-      N=8192:               6.69 vs 10.4 / 3.50 vs 5.32
-      N=32768:              106 vs 180 / 53.5 vs 84.3
-      Nq=256, Nk=32K:       1.47 vs 2.05 / 1.56 vs 2.13 (dq grid 64, key grid 16384)
-      Nq=2K, Nk=32K:        6.68 vs 10.6 / 6.63 vs 10.4
-    (N=2048 read 1.04 vs 0.81 non-causal but 0.79 vs 0.96 causal: windows too short to rank.)
-    Since the key-major kernel moved to (64, 64) tiles in two programs per SM, its atomics cost
-    more than the second pass everywhere it was measured. Both dq: 5-7x slower fused.
-    The one-wave case was measured before that change only (N=256: 0.132 vs 0.061 ms, 0.201 vs
-    0.068 causal), when both strategies' grids left most SMs idle.
+    Why: on the H200 the separate strategy takes 1.3-1.7x less time than the fused one at every
+    grid larger than one wave (setting 1, N=1K-32K and Nq=256-2K against Nk=32K), and 5-7x less
+    with both dq (two atomic streams); on one-wave grids (N=256) the fused strategy is 2-3x
+    faster, timed with the keys x queries tiles of the key-major kernel (docs/triton.md,
+    "Fused vs separate backward").
     """
     if needs[0] and needs[2]:
         return "separate"
