@@ -1,11 +1,11 @@
 """The reference backend's working set (docs/contract.md, Memory) and its empty shapes.
 
 A forward+backward with the default chunk allocates, beyond its inputs, outputs and gradients,
-no more than the two dense (B, H, Nq, Nk) matrices of the compute dtype, and no more than
-chunked._CHUNK_BYTES. The backend functions are called directly: a dispatch mode sees a custom
-op as one call. Besides the chunk there are O((Nq + Nk) * D) buffers (casts of q and k, float32
-dk accumulators for 16-bit inputs), so the shapes here keep D below N, where the dense matrices
-are the larger term.
+no more than the two dense (B, H, Nq, Nk) matrices of the compute dtype, and its chunk's
+temporaries stay within chunked._CHUNK_BYTES. Besides the chunk there are O((Nq + Nk) * D)
+buffers (casts of q and k, float32 dk accumulators for 16-bit inputs), so the shapes here keep
+D below N, where the dense matrices are the larger term. The backend functions are called
+directly: a dispatch mode sees a custom op as one call.
 """
 
 import pytest
@@ -68,15 +68,19 @@ def test_working_set_of_the_reported_shape():
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_working_set_within_the_cap(monkeypatch, causal):
-    """Where the dense matrices (2 MiB here) exceed the cap, the cap bounds the working set."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_working_set_within_the_cap(monkeypatch, dtype, causal):
+    """Where the dense matrices (2 MiB here) exceed the cap, the cap bounds the chunk. float32
+    inputs leave nothing else; bfloat16 ones add the float32 dk accumulators and a cast of k."""
     cap = 1 << 20
     monkeypatch.setattr(chunked, "_CHUNK_BYTES", cap)
     b, h, n, d = 1, 4, 256, 16
     assert _dense_bytes(b, h, n, n, torch.float32) > cap
     assert chunked._chunk_rows(b, h, n, n, torch.float32, d) < n
-    inputs = make_inputs(b=b, h=h, nq=n, nk=n, d1=d, d2=d)
-    assert _extra_bytes(inputs, causal) <= cap
+    inputs = make_inputs(b=b, h=h, nq=n, nk=n, d1=d, d2=d, dtype=dtype)
+    key = b * h * n * d * 4  # one key tensor in float32
+    held = 0 if dtype == torch.float32 else 3 * key
+    assert _extra_bytes(inputs, causal) <= cap + held
 
 
 def test_default_cap_rows():

@@ -12,7 +12,8 @@ backward:  dS2 = g (P2 - P1);  dS1 = g P1 ((S1 - LSE1) - (S2 - LSE2) - KL)
 Memory (docs/contract.md, Memory): a chunk of rows holds at most _LIVE_CHUNK_TEMPS temporaries of
 (B, H, rows, Nk) in the compute dtype at once (forward: logp2, logp1, p1, or logp2, logits1 and
 the exp inside its logsumexp; backward: logp2, p1 and dS1), every other step works in place.
-The default chunk keeps them within the two dense Nq x Nk matrices and within _CHUNK_BYTES.
+The default chunk keeps the working set within the two dense Nq x Nk matrices and the chunk's
+temporaries within _CHUNK_BYTES; see _chunk_rows for what else a call holds.
 """
 
 from __future__ import annotations
@@ -40,16 +41,20 @@ def _compute_dtype(q1, q2):
 
 def _chunk_rows(b, h, nq, nk, dtype, d=0, held=0) -> int:
     """Query rows per chunk: STREAMKL_REFERENCE_CHUNK, else as many as keep the call's working
-    set within the two dense (B, H, Nq, Nk) matrices of `dtype` and within _CHUNK_BYTES.
+    set within the two dense (B, H, Nq, Nk) matrices of `dtype`, and the chunk's own
+    temporaries within _CHUNK_BYTES (at least one row).
 
     Per row: the _LIVE_CHUNK_TEMPS logit-sized temporaries, one causal mask row (bool) and one
     (B, H, D) row of q cast or of the dq product. `held`: bytes the call holds besides its chunk
-    (a key-sized cast or copy of k, accumulators that are not the returned gradients)."""
+    (a key-sized cast or copy of k, accumulators that are not the returned gradients). They are
+    O((Nq + Nk) * D), like the gradients, and count against the dense bound only: charged to the
+    cap as well, they would leave long-context 16-bit calls (float32 dk accumulators of 256 MiB
+    and more) one row per chunk."""
     chunk = _env.reference_chunk()
     if chunk is None:
         size = torch.finfo(dtype).bits // 8
         per_row = max(1, b * h * (_LIVE_CHUNK_TEMPS * nk + d) * size + nk)
-        budget = min(2 * b * h * nq * nk * size, _CHUNK_BYTES) - held
+        budget = min(2 * b * h * nq * nk * size - held, _CHUNK_BYTES)
         chunk = max(1, budget // per_row)
     return max(1, min(chunk, max(nq, 1)))
 
@@ -227,6 +232,7 @@ def backward(
         torch.zeros(t.shape, dtype=t.dtype if i % 2 == 0 else dtype, device=t.device) if need else None
         for i, (t, need) in enumerate(zip(inputs, needs))
     ]
+    # Accumulators that are not the returned gradients (16-bit inputs) count against the chunk.
     held = sum(
         a.numel() * a.element_size() for a, t in zip(acc, inputs) if a is not None and a.dtype != t.dtype
     )
