@@ -155,13 +155,14 @@ def test_packed_sequences(target, causal, max_seqlen):
 
 
 def test_rows_that_see_no_key(target):
-    """Causal with Nq > Nk: the first Nq - Nk rows see nothing: KL 0, zero gradient; the next
-    row sees a single key, so both distributions are the same point mass: KL 0 too."""
+    """Causal with Nq > Nk: the first Nq - Nk rows see nothing: exactly KL 0 and zero gradient.
+    (The next row sees a single key: both distributions are the same point mass, KL 0 up to
+    rounding, which _check holds to the rule.)"""
     name, device, dtypes = target
     for dtype in dtypes:
         inputs = make_inputs(h=2, nq=12, nk=5, d1=16, d2=16, dtype=dtype, device=device, seed=2)
         kl, (dq1, dk1, dq2, dk2) = _check(name, inputs, causal=True)
-        assert (kl[:, :, :8] == 0).all() and (kl[:, :, 8:] > 0).all()
+        assert (kl[:, :, :7] == 0).all() and (kl[:, :, 8:] > 0).all()
         assert (dq1[:, :, :7] == 0).all() and (dq2[:, :, :7] == 0).all()
 
 
