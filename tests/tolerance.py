@@ -37,11 +37,14 @@ def compute_dtype(*tensors) -> torch.dtype:
 
 
 def _dense(inputs, dtype, causal, scale1, scale2, cu_seqlens, grad):
+    """(kl, lse1, lse2, grads) of the dense formula computed in `dtype`, grads by autograd."""
     leaves = [t.detach().cpu().to(dtype).requires_grad_() for t in inputs]
     cu = None if cu_seqlens is None else cu_seqlens.cpu()
-    kl = dense_attn_kl(*leaves, causal=causal, scale1=scale1, scale2=scale2, cu_seqlens=cu, dtype=dtype)
+    kl, lse1, lse2 = dense_attn_kl(
+        *leaves, causal=causal, scale1=scale1, scale2=scale2, cu_seqlens=cu, dtype=dtype, return_lse=True
+    )
     grads = torch.autograd.grad(kl, leaves, grad.to(dtype), allow_unused=True)
-    return kl.detach(), grads
+    return kl.detach(), lse1.detach(), lse2.detach(), grads
 
 
 def _row_scales(q1, k1, q2, k2, causal, scale1, scale2, cu_seqlens):
@@ -85,11 +88,15 @@ class Expected:
             grad = torch.randn(shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
         self.grad = grad.double()
         args = (causal, self.scale1, self.scale2, cu_seqlens, self.grad)
-        self.kl, self.grads = _dense(inputs, torch.float64, *args)
+        self.kl, self.lse1, self.lse2, self.grads = _dense(inputs, torch.float64, *args)
         self.dtype = compute_dtype(*inputs)
         self.eps = torch.finfo(self.dtype).eps
-        dense_kl, dense_grads = _dense(inputs, self.dtype, *args)
+        dense_kl, dense_lse1, dense_lse2, dense_grads = _dense(inputs, self.dtype, *args)
         self.dense_kl_err = (dense_kl.double() - self.kl).abs()
+        self.dense_lse_err = [
+            (d.double() - r).abs().nan_to_num(0.0)
+            for d, r in ((dense_lse1, self.lse1), (dense_lse2, self.lse2))
+        ]
         self.dense_grad_err = [
             _row_norm(d.to(t.dtype).double() - r) for d, r, t in zip(dense_grads, self.grads, inputs)
         ]
@@ -111,6 +118,19 @@ class Expected:
         floor = FLOOR * self.eps * (1.0 + self.magnitude) * self.spread
         bound = RATIO * _with_rms(self.dense_kl_err) + floor
         _report(what, err, bound)
+
+    def check_lse(self, lse1, lse2):
+        """-inf exactly on the rows that see nothing; elsewhere the rule, with a floor of the
+        rounding of logits of size M (LSE moves by at most max |dS|)."""
+        for name, got, ref, dense_err in zip(
+            ("lse1", "lse2"), (lse1, lse2), (self.lse1, self.lse2), self.dense_lse_err
+        ):
+            got = got.detach().cpu().double()
+            empty = torch.isneginf(ref)
+            assert torch.equal(torch.isneginf(got), empty), f"{name}: -inf exactly on rows that see no key"
+            err = (got - ref)[~empty].abs()
+            bound = RATIO * _with_rms(dense_err[~empty]) + FLOOR * self.eps * (1.0 + self.magnitude[~empty])
+            _report(name, err, bound)
 
     def check_grads(self, grads, inputs, needs=(True,) * 4):
         names = ("dq1", "dk1", "dq2", "dk2")

@@ -36,6 +36,9 @@ def supports(q1, k1, q2, k2, cu_seqlens) -> str | None:
     tensors = (q1, k1, q2, k2)
     if any(t.dtype not in (torch.float16, torch.bfloat16, torch.float32) for t in tensors):
         return f"triton backend runs float16/bfloat16/float32, got {q1.dtype}/{q2.dtype}"
+    if q1.dtype != q2.dtype:
+        # One tile config and one product precision per launch: fp32 products must not run as TF32.
+        return f"triton backend needs both pairs in one dtype, got {q1.dtype} and {q2.dtype}"
     if q1.shape[-1] > MAX_HEAD_DIM or q2.shape[-1] > MAX_HEAD_DIM:
         return (
             f"triton backend supports head dims up to {MAX_HEAD_DIM}, "
