@@ -164,6 +164,7 @@ def main(argv=None):
     p.add_argument("--profile", action="store_true", help="print cProfile's hottest functions")
     p.add_argument("--json", help="write the rows and the environment here")
     p.add_argument("--markdown", help="write the table as Markdown here")
+    p.add_argument("--commit", help="the commit measured (default: git rev-parse HEAD of this tree)")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -179,7 +180,12 @@ def main(argv=None):
         import triton
 
         env["triton"] = triton.__version__
-    env.update(commit=_commit(), date=time.strftime("%Y-%m-%d"), calls=args.calls, repeats=args.repeats)
+    env.update(
+        commit=args.commit or _commit(),
+        date=time.strftime("%Y-%m-%d"),
+        calls=args.calls,
+        repeats=args.repeats,
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(environment=env, rows=rows, profile=prof), f, indent=1)

@@ -1,0 +1,91 @@
+"""Where the per-call time of a tiny forward+backward goes: the same triton backend calls made
+directly, inside a minimal autograd.Function, through the public op, and the autograd engine's
+own cost for a trivial Function, on the backward's worker thread and on the calling thread.
+
+    python benchmarks/overhead_breakdown.py     # B=1 H=1 N=128 D=64 causal; bf16 triton on CUDA,
+                                                # float32 triton-interpreter on CPU (a smoke run)
+
+Each row is the median per-call time of 200 back-to-back calls and one sync (benchmarks/overhead.py).
+"""
+
+from __future__ import annotations
+
+import torch
+from overhead import _per_call_us  # benchmarks/ is on the path when run as a script
+
+import streamkl
+from streamkl import _dispatch
+from streamkl.testing import make_inputs
+
+
+def main():
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    x = make_inputs(h=1, nq=128, nk=128, d1=64, d2=64, dtype=dtype, device=dev)
+    q1, k1 = x[0], x[1]
+    q2, k2 = x[2].clone().requires_grad_(), x[3].clone().requires_grad_()
+    backend = _dispatch.module("triton")
+    kw = dict(causal=True, scale1=0.125, scale2=0.125, cu_seqlens=None, max_seqlen=None)
+    student = (False, False, True, True)
+
+    def direct():
+        kl, lse1, lse2 = backend.forward(q1, k1, q2, k2, **kw)
+        return backend.backward(torch.ones_like(kl), q1, k1, q2, k2, kl, lse1, lse2, needs=student, **kw)
+
+    class Wrapped(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a, b):
+            kl, lse1, lse2 = backend.forward(q1, k1, a, b, **kw)
+            ctx.save_for_backward(a, b, kl, lse1, lse2)
+            return kl
+
+        @staticmethod
+        def backward(ctx, g):
+            a, b, kl, lse1, lse2 = ctx.saved_tensors
+            grads = backend.backward(
+                g.float().contiguous(), q1, k1, a, b, kl, lse1, lse2, needs=student, **kw
+            )
+            return grads[2], grads[3]
+
+    class Trivial(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a):
+            return a * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * 2
+
+    def step(fn):
+        def run():
+            q2.grad = k2.grad = None
+            fn().sum().backward()
+
+        return run
+
+    def calling_thread(fn):
+        def run():
+            with torch.autograd.set_multithreading_enabled(False):
+                fn()
+
+        return run
+
+    op = step(lambda: streamkl.attn_kl(q1, k1, q2, k2, causal=True, backend="triton"))
+    wrapped = step(lambda: Wrapped.apply(q2, k2))
+    trivial = step(lambda: Trivial.apply(q2))
+    rows = [
+        ("backend forward + backward, called directly", direct),
+        ("the same inside a minimal autograd.Function", wrapped),
+        ("  ... with the backward on the calling thread", calling_thread(wrapped)),
+        ("the public op, eager", op),
+        ("  ... with the backward on the calling thread", calling_thread(op)),
+        ("a trivial autograd.Function (x * 2)", trivial),
+        ("  ... with the backward on the calling thread", calling_thread(trivial)),
+    ]
+    for name, fn in rows:
+        calls = 200 if dev.type == "cuda" else 2
+        print(f"{name:48s} {_per_call_us(fn, dev, calls, 5):8.1f} us", flush=True)
+
+
+if __name__ == "__main__":
+    main()
