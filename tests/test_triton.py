@@ -85,10 +85,10 @@ CASES = [
 ]
 
 
-def _check_case(case):
-    """Forward and all four gradients of one CASES entry against the oracle."""
+def _case_inputs(case):
+    """(q1, k1, q2, k2) of one CASES entry and its causal flag."""
     b, h, hk1, hk2, nq, nk, d1, d2, causal, layout = case
-    q1, k1, q2, k2 = make_inputs(
+    inputs = make_inputs(
         b=b,
         h=h,
         hk1=hk1,
@@ -101,6 +101,12 @@ def _check_case(case):
         layout=layout,
         seed=nq * nk + d1,
     )
+    return inputs, causal
+
+
+def _check_case(case):
+    """Forward and all four gradients of one CASES entry against the oracle."""
+    (q1, k1, q2, k2), causal = _case_inputs(case)
     _check(q1, k1, q2, k2, causal=causal)
 
 
@@ -134,20 +140,7 @@ def test_key_major_tile_layouts(case, strategy, qrows):
     # in registers or transposed through shared memory, fused dq the other way round.
     from streamkl.backends.triton import _launch
 
-    b, h, hk1, hk2, nq, nk, d1, d2, causal, layout = case
-    q1, k1, q2, k2 = make_inputs(
-        b=b,
-        h=h,
-        hk1=hk1,
-        hk2=hk2,
-        nq=nq,
-        nk=nk,
-        d1=d1,
-        d2=d2,
-        device=DEVICE,
-        layout=layout,
-        seed=nq * nk + d1,
-    )
+    (q1, k1, q2, k2), causal = _case_inputs(case)
     kl, lse1, lse2, kw = _run(q1, k1, q2, k2, causal=causal)
     g = torch.randn(kl.shape, generator=torch.Generator().manual_seed(0))
     cfg = _config.Cfg(16, 16, 4, 1, qrows=qrows)
