@@ -13,6 +13,9 @@ dependency (triton, cuda-python) only inside them, so importing streamkl needs t
         grad_kl is (B, H, Nq) float32 contiguous; needs is a 4-tuple of bools; a gradient that is
         not needed is None, the others have their input's shape and dtype (contiguous).
 
+A new backend is such a package plus one line in streamkl._dispatch.BACKENDS; tests/test_backends.py
+then runs the whole contract (docs/contract.md) on it, on every device its `supports` accepts.
+
 Inputs arrive validated by streamkl._checks (shapes, dtypes, devices, cu_seqlens values) with
 scale1/scale2 resolved to floats and, for packed sequences (B == 1, Nq == Nk == total tokens),
 max_seqlen resolved to a host int. Any strides: backends must not copy whole inputs.
