@@ -5,12 +5,13 @@ dependency (triton, cuda-python) only inside them, so importing streamkl needs t
         None when the backend can run these (already validated) inputs, else the reason it cannot.
 
     forward(q1, k1, q2, k2, *, causal, scale1, scale2, cu_seqlens, max_seqlen)
-        -> (kl, lse1, lse2), each (B, H, Nq) float32, fresh and contiguous.
+        -> (kl, lse1, lse2), each (B, H, Nq) float32 (float64 for float64 inputs), fresh and
+        contiguous.
         Rows that see no key: kl = 0, lse = -inf.
 
     backward(grad_kl, q1, k1, q2, k2, kl, lse1, lse2, *, causal, scale1, scale2,
              cu_seqlens, max_seqlen, needs) -> (dq1, dk1, dq2, dk2)
-        grad_kl is (B, H, Nq) float32 contiguous; needs is a 4-tuple of bools; a gradient that is
+        grad_kl is (B, H, Nq) in the dtype of kl, contiguous; needs is a 4-tuple of bools; a gradient that is
         not needed is None, the others have their input's shape and dtype (contiguous).
 
 A new backend is such a package plus one line in streamkl._dispatch.BACKENDS; tests/test_backends.py
