@@ -11,8 +11,9 @@ dependency (triton, cuda-python) only inside them, so importing streamkl needs t
 
     backward(grad_kl, q1, k1, q2, k2, kl, lse1, lse2, *, causal, scale1, scale2,
              cu_seqlens, max_seqlen, needs) -> (dq1, dk1, dq2, dk2)
-        grad_kl is (B, H, Nq) in the dtype of kl, contiguous; needs is a 4-tuple of bools; a gradient that is
-        not needed is None, the others have their input's shape and dtype (contiguous).
+        grad_kl is (B, H, Nq) in the dtype of kl, contiguous; needs is a 4-tuple of bools; a
+        gradient that is not needed is None, the others have their input's shape and dtype
+        (contiguous).
 
 A new backend is such a package plus one line in streamkl._dispatch.BACKENDS; tests/test_backends.py
 then runs the whole contract (docs/contract.md) on it, on every device its `supports` accepts.
