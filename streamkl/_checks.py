@@ -125,13 +125,16 @@ def resolve_max_seqlen(cu_seqlens, max_seqlen: int | None, total: int) -> int | 
     """The longest packed sequence the kernels must cover (max_seqlen, else the longest one).
 
     A cu_seqlens tensor is read on the host (one sync) the first time it is seen, and again only
-    after an in-place change; while a CUDA graph is being captured nothing is read, and then
-    max_seqlen is required (docs/contract.md, Packed sequences)."""
+    after an in-place change (an inference-mode tensor, which keeps no version, on every call).
+    While a CUDA graph is being captured nothing is read, and then max_seqlen is required
+    (docs/contract.md, Packed sequences)."""
     if cu_seqlens is None:
         return None
     key = id(cu_seqlens)
+    # Inference tensors keep no version counter, so an in-place change would go unseen: re-read.
+    version = None if cu_seqlens.is_inference() else cu_seqlens._version
     entry = _CHECKED_OFFSETS.get(key)
-    if entry is not None and entry[0]() is cu_seqlens and entry[1] == cu_seqlens._version:
+    if entry is not None and version is not None and entry[0]() is cu_seqlens and entry[1] == version:
         longest = entry[2]
     elif cu_seqlens.is_cuda and torch.cuda.is_current_stream_capturing():
         if max_seqlen is None:
@@ -142,8 +145,9 @@ def resolve_max_seqlen(cu_seqlens, max_seqlen: int | None, total: int) -> int | 
         return max_seqlen
     else:
         longest = _read_cu_seqlens(cu_seqlens, total)
-        _CHECKED_OFFSETS[key] = (weakref.ref(cu_seqlens), cu_seqlens._version, longest)
-        weakref.finalize(cu_seqlens, _CHECKED_OFFSETS.pop, key, None)
+        if version is not None:
+            _CHECKED_OFFSETS[key] = (weakref.ref(cu_seqlens), version, longest)
+            weakref.finalize(cu_seqlens, _CHECKED_OFFSETS.pop, key, None)
     if max_seqlen is None:
         return longest
     if max_seqlen < longest:

@@ -144,6 +144,19 @@ def test_cu_seqlens_is_read_once_per_tensor(monkeypatch, compiled):
         fn(*inputs, max_seqlen=4)
 
 
+def test_cu_seqlens_made_in_inference_mode():
+    """An inference tensor keeps no version counter: its offsets are read on every call."""
+    with torch.inference_mode():
+        cu = torch.tensor([0, 4, 10], dtype=torch.int32)
+    inputs = make_inputs(h=2, nq=10, nk=10, d1=8, d2=8, dtype=torch.float64)
+    first = streamkl.attn_kl(*inputs, causal=True, cu_seqlens=cu)
+    with torch.inference_mode():
+        cu[1] = 6
+        second = streamkl.attn_kl(*inputs, causal=True, cu_seqlens=cu)
+    Expected(inputs, causal=True, cu_seqlens=cu).check_kl(second)
+    assert not torch.equal(first, second)
+
+
 def test_eager_path_and_registered_ops_agree():
     """The eager fast path (autograd.Function calling the backend) and the registered
     attn_kl_fwd / attn_kl_bwd ops compute the same values and gradients."""
