@@ -1,0 +1,97 @@
+"""The KL through attention calls: what a determined user runs today without streamkl.
+
+Per row, with P_t = softmax(S_t) and O = attn(q, k, V) = P V:
+
+    sum_j P1_j S1_j = s1 q1 . attn(q1, k1, V=k1)        sum_j P1_j S2_j = s2 q2 . attn(q1, k1, V=k2)
+    KL = s1 q1 . O11 - s2 q2 . O12 - LSE1 + LSE2
+
+three attention forwards (LSE1 from the first, LSE2 from attn(q2, k2, V=k2)), O(N) memory.
+With the teacher fixed and upstream g per row, the student's gradients are attention outputs and
+value-gradients too:
+
+    dq2 = s2 g (O22 - O12),   O22 = attn(q2, k2, V=k2)
+    dk2 = s2 (dV of attn(q2, k2, .) - dV of attn(q1, k1, .)),  both with dO = g q2
+
+Each call is an aten attention op that returns the log-sum-exp: flash (on CUDA, or its CPU
+kernel) or cuDNN. Its limits are the ops': causal is top-left aligned (so Nq must equal Nk),
+GQA repeats the key heads, and flash needs the value head dim equal to the query's (D1 == D2).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+BACKENDS = ("flash", "cudnn")
+
+
+def unsupported(q1, k1, q2, k2, causal: bool, backend: str) -> str | None:
+    """None if the attention trick can run these inputs with `backend`, else why not."""
+    if causal and q1.shape[2] != k1.shape[2]:
+        return "attention kernels align causal masks top-left: needs Nq == Nk"
+    if backend == "flash" and q1.shape[-1] != q2.shape[-1]:
+        return "flash attention needs the value head dim equal to the query's (D1 == D2)"
+    if backend == "cudnn" and q1.device.type != "cuda":
+        return "cuDNN attention runs on CUDA only"
+    if q1.dtype not in (torch.float16, torch.bfloat16) and q1.device.type == "cuda":
+        return "flash and cuDNN attention take float16/bfloat16"
+    return None
+
+
+def _heads(q, k):
+    """k with its heads repeated to q's (GQA): the attention ops here take equal head counts."""
+    g = q.shape[1] // k.shape[1]
+    return k if g == 1 else k.repeat_interleave(g, dim=1)
+
+
+def attention(q, k, v, causal: bool, scale: float, backend: str):
+    """(out, lse) with lse (B, H, Nq) float32 in natural-log units of the scaled logits."""
+    if backend == "cudnn":
+        out = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            q, k, v, None, True, 0.0, causal, False, scale=scale
+        )
+    elif q.device.type == "cuda":
+        out = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
+    else:
+        out = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+    o, lse = out[0], out[1]
+    return o, lse.reshape(q.shape[:3]).float()
+
+
+def kl(q1, k1, q2, k2, *, causal: bool, scale1: float, scale2: float, backend: str):
+    """KL per row (B, H, Nq) float32 from three attention forwards."""
+    k1, k2 = _heads(q1, k1), _heads(q2, k2)
+    o11, lse1 = attention(q1, k1, k1, causal, scale1, backend)
+    o12, _ = attention(q1, k1, k2, causal, scale1, backend)
+    _, lse2 = attention(q2, k2, k2, causal, scale2, backend)
+    e1 = scale1 * (q1.float() * o11.float()).sum(-1)
+    e2 = scale2 * (q2.float() * o12.float()).sum(-1)
+    return e1 - e2 - lse1 + lse2
+
+
+def _value_grad(q, k, v, d_out, causal: bool, scale: float, backend: str):
+    """dV of attn(q, k, v) for output gradient d_out, through the backend's attention backward."""
+    v = v.detach().requires_grad_()
+    kernel = SDPBackend.CUDNN_ATTENTION if backend == "cudnn" else SDPBackend.FLASH_ATTENTION
+    with sdpa_kernel(kernel):
+        out = F.scaled_dot_product_attention(q.detach(), k.detach(), v, is_causal=causal, scale=scale)
+    (dv,) = torch.autograd.grad(out, v, d_out)
+    return dv
+
+
+def student_grads(q1, k1, q2, k2, g, *, causal: bool, scale1: float, scale2: float, backend: str):
+    """(dq2, dk2) of sum(g * KL) with the teacher fixed, from attention calls alone."""
+    hk2 = k2.shape[1]
+    k1r, k2r = _heads(q1, k1), _heads(q2, k2)
+    o12, _ = attention(q1, k1r, k2r, causal, scale1, backend)
+    o22, _ = attention(q2, k2r, k2r, causal, scale2, backend)
+    gq = g[..., None].to(q2.dtype)
+    dq2 = (scale2 * g[..., None] * (o22.float() - o12.float())).to(q2.dtype)
+    d_out = gq * q2
+    dv = _value_grad(q2, k2r, k2r, d_out, causal, scale2, backend).float()
+    dv -= _value_grad(q1, k1r, k2r, d_out, causal, scale1, backend).float()
+    dk2 = scale2 * dv
+    if dk2.shape[1] != hk2:  # repeated heads: their gradients add up on the shared key head
+        dk2 = dk2.reshape(dk2.shape[0], hk2, -1, *dk2.shape[2:]).sum(2)
+    return dq2, dk2.to(k2.dtype)
