@@ -14,7 +14,7 @@ TORCH_CPU = "torch==2.13.0"
 def tests(session):
     """The CPU suite: reference, op, compile, errors, hypothesis, triton interpreter, bench smoke."""
     session.install(TORCH_CPU)
-    session.install("-e", ".[test,triton,bench]")
+    session.install("-e", ".[test,triton,bench,cuda]")
     session.run("pytest", "-q", *session.posargs, env={"HYPOTHESIS_PROFILE": "ci", "PYTHONUNBUFFERED": "1"})
 
 

@@ -34,6 +34,13 @@ def reference_chunk() -> int | None:
     return chunk
 
 
+def cache_dir() -> str | None:
+    """STREAMKL_CACHE_DIR: where the cuda backend keeps compiled kernels (default: the user's
+    cache directory, streamkl/backends/cuda/_jit.py)."""
+    value = os.environ.get("STREAMKL_CACHE_DIR", "").strip()
+    return value or None
+
+
 def triton_interpret() -> bool:
     """TRITON_INTERPRET=1 lets the triton backend run on CPU tensors (tests only)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
