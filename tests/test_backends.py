@@ -106,7 +106,9 @@ def _run(name, inputs, needs=ALL, grad=None, **kw):
     """KL and the requested gradients through the public op."""
     leaves = [t.detach().requires_grad_(need) for t, need in zip(inputs, needs)]
     kl = streamkl.attn_kl(*leaves, backend=name, **kw)
-    assert kl.dtype == (torch.float64 if leaves[0].dtype == torch.float64 else torch.float32)
+    assert kl.dtype == (
+        torch.float64 if torch.float64 in (leaves[0].dtype, leaves[2].dtype) else torch.float32
+    )
     assert kl.is_contiguous() and kl._base is None
     if not any(needs):
         return kl, (None,) * 4
@@ -211,6 +213,22 @@ def test_explicit_scales(target):
     for dtype in dtypes:
         inputs = make_inputs(h=2, nq=11, nk=13, d1=8, d2=16, dtype=dtype, device=device, seed=1)
         _check(name, inputs, causal=True, scale1=0.7, scale2=-1.3)
+
+
+def test_pairs_of_different_dtypes(target):
+    """Teacher and student may come in different dtypes (docs/contract.md, Shapes, dtypes and
+    layouts); a backend that takes one dtype for both says so, and auto runs the pair."""
+    name, device, dtypes = target
+    for teacher, student in itertools.permutations(dtypes[:2] if len(dtypes) > 1 else [], 2):
+        q1, k1, _, _ = make_inputs(h=2, nq=9, nk=11, d1=16, d2=8, dtype=teacher, device=device, seed=6)
+        _, _, q2, k2 = make_inputs(h=2, nq=9, nk=11, d1=16, d2=8, dtype=student, device=device, seed=6)
+        inputs = (q1, k1, q2, k2)
+        reason = _dispatch.why_not(name, *inputs)
+        if reason is None:
+            _check(name, inputs, causal=True)
+        else:
+            assert "dtype" in reason
+            Expected(inputs, causal=True).check_kl(streamkl.attn_kl(*inputs, causal=True))
 
 
 def test_backend_functions_keep_their_contract(target):
