@@ -218,8 +218,8 @@ def test_explicit_scales(target):
 def test_pairs_of_different_dtypes(target):
     """Teacher and student may come in different dtypes (docs/contract.md, Shapes, dtypes and
     layouts); a backend that takes one dtype for both says so, and auto runs the pair."""
-    name, device, dtypes = target
-    for teacher, student in itertools.permutations(dtypes[:2] if len(dtypes) > 1 else [], 2):
+    name, device, _ = target
+    for teacher, student in itertools.permutations((torch.float32, torch.bfloat16)):
         q1, k1, _, _ = make_inputs(h=2, nq=9, nk=11, d1=16, d2=8, dtype=teacher, device=device, seed=6)
         _, _, q2, k2 = make_inputs(h=2, nq=9, nk=11, d1=16, d2=8, dtype=student, device=device, seed=6)
         inputs = (q1, k1, q2, k2)
