@@ -27,9 +27,10 @@ def tests_gpu(session):
 
 @nox.session(venv_params=["--system-site-packages"])
 def bench(session):
-    """The published comparison on this machine's GPU, then the pytest-benchmark runs."""
+    """The harness on this machine's GPU (arguments after -- pass through), then the
+    pytest-benchmark runs of the same providers."""
     session.install("--no-deps", "-e", ".")
-    session.run("python", "-m", "streamkl.bench", *session.posargs)
+    session.run("python", "benchmarks/bench.py", *session.posargs)
     session.run("pytest", "-q", "-m", "bench", "benchmarks", "--benchmark-only")
 
 

@@ -11,9 +11,9 @@ triton.testing.do_bench (median of repeats, warm-up excluded) on the benchmark s
 D=128, bf16 unless told). A bf16 8192^3 GEMM timed the same way, at the start and at the end of
 the run, is the yardstick. Prints a table last; writes JSON to $OUT/triton_tune.json (or --out).
 
-FLOP counts (the GEMM count of streamkl/bench/flops.py): forward = 4*B*H*Nq*Nk*D (two GEMMs),
-backward of one setting = 8*B*H*Nq*Nk*D (four GEMMs: S1, S2 recomputed, dq, dk), both settings =
-12*B*H*Nq*Nk*D; all halved when causal with Nq == Nk.
+FLOP counts (the GEMM count of benchmarks/providers.py, `attn_kl_flops`): forward =
+4*B*H*Nq*Nk*D (two GEMMs), backward of one setting = 8*B*H*Nq*Nk*D (four GEMMs: S1, S2
+recomputed, dq, dk), both settings = 12*B*H*Nq*Nk*D; all halved when causal with Nq == Nk.
 """
 
 from __future__ import annotations

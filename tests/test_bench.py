@@ -1,25 +1,35 @@
-"""The benchmark harness (python -m streamkl.bench) on CPU: the smoke run, the report, the FLOP
-count, and that failures, OOMs, budgets and projections are recorded rather than fatal."""
+"""The benchmark harness (benchmarks/bench.py, providers.py, report.py) on CPU: the smoke run
+with every provider that runs here, the report from JSON, merged runs, failures recorded rather
+than fatal, the FLOP count, and the README's generated headline."""
 
 from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
+import re
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
-from streamkl.bench import cli, providers, report
-from streamkl.bench.flops import attn_kl_flops, visible_pairs
-from streamkl.bench.timing import env_vars
+from benchmarks import bench, providers, report
+from benchmarks.providers import Case, Provider, attn_kl_flops, visible_pairs
 from streamkl.testing import visible_mask
 
+ROOT = Path(__file__).resolve().parents[1]
+CPU_PROVIDERS = (
+    "streamkl-reference",
+    "torch-bf16",
+    "torch.compile-bf16",
+    "torch-fp32",
+    "torch.compile-fp32",
+    "sdpa-trick-flash",
+)
+EXACT = ("streamkl-reference", "torch-fp32", "torch.compile-fp32")
 
-@pytest.mark.parametrize("nq,nk", [(1, 1), (1, 7), (5, 5), (7, 3), (3, 7), (64, 128), (128, 64)])
+
+@pytest.mark.parametrize("nq,nk", [(1, 1), (1, 7), (5, 5), (7, 3), (3, 7), (64, 128)])
 @pytest.mark.parametrize("causal", [False, True])
 def test_visible_pairs_counts_the_mask(nq, nk, causal):
     assert visible_pairs(nq, nk, causal) == int(visible_mask(nq, nk, causal).sum())
@@ -27,364 +37,218 @@ def test_visible_pairs_counts_the_mask(nq, nk, causal):
 
 def test_flop_count_definition():
     b, h, n, d = 1, 32, 8192, 128
-    fwd = attn_kl_flops(b, h, n, n, d, d, False, "fwd")
-    assert fwd == 4 * b * h * n * n * d
-    assert attn_kl_flops(b, h, n, n, d, d, True, "fwd") == 2 * b * h * (n * (n + 1) // 2) * 2 * d
-    assert attn_kl_flops(b, h, n, n, d, d, False, "bwd", "q2k2") == 2 * fwd  # four GEMMs
-    assert attn_kl_flops(b, h, n, n, d, d, False, "bwd", "q1k1") == 2 * fwd
-    assert attn_kl_flops(b, h, n, n, d, d, False, "bwd", "all") == 3 * fwd  # six GEMMs
-    assert attn_kl_flops(b, h, n, n, d, d, False, "fwd+bwd", "q2k2") == 3 * fwd
-    # D1 != D2: each GEMM counts its own head dim
-    assert attn_kl_flops(1, 1, 4, 4, 64, 32, False, "fwd") == 2 * 16 * 96
-    assert attn_kl_flops(1, 1, 4, 4, 64, 32, False, "bwd", "q2k2") == 2 * 16 * 96 + 4 * 16 * 32
+    case = Case(b, h, n, n, d, d, False, "bfloat16")
+    fwd = attn_kl_flops(case, "fwd")
+    assert fwd == 4 * b * h * n * n * d  # two GEMMs over every pair
+    assert attn_kl_flops(case, "train") == 3 * fwd  # plus S1, S2 recomputed, dq2, dk2
+    causal = Case(b, h, n, n, d, d, True, "bfloat16")
+    assert attn_kl_flops(causal, "fwd") == 4 * b * h * (n * (n + 1) // 2) * d  # visible pairs only
+    # D1 != D2: each GEMM counts its own head dim; the gradients are the student's (D2)
+    mixed = Case(1, 1, 4, 4, 64, 32, False, "float32")
+    assert attn_kl_flops(mixed, "fwd") == 2 * 16 * 96
+    assert attn_kl_flops(mixed, "train") == 2 * (2 * 16 * 96) + 4 * 16 * 32
     with pytest.raises(ValueError):
-        attn_kl_flops(1, 1, 4, 4, 8, 8, False, "bwd")
+        attn_kl_flops(mixed, "bwd")
 
 
-def test_env_vars_sets_and_restores(monkeypatch):
-    monkeypatch.setenv("STREAMKL_TRITON_SPLIT_K", "auto")
-    monkeypatch.delenv("STREAMKL_TRITON_BWD", raising=False)
-    with env_vars({"STREAMKL_TRITON_SPLIT_K": "0", "STREAMKL_TRITON_BWD": "fused"}):
-        assert os.environ["STREAMKL_TRITON_SPLIT_K"] == "0"
-        assert os.environ["STREAMKL_TRITON_BWD"] == "fused"
-    assert os.environ["STREAMKL_TRITON_SPLIT_K"] == "auto"
-    assert "STREAMKL_TRITON_BWD" not in os.environ
-
-
-def _ok(results, **match):
-    return [r for r in results if r["status"] == "ok" and all(r.get(k) == v for k, v in match.items())]
+def test_sizes_and_sweeps_from_the_command_line():
+    assert bench._sizes("4k, 8K,1m,96") == [4096, 8192, 2**20, 96]
+    args = bench.parser().parse_args(["--sweep", "all", "--sizes", "1k", "--causal", "1"])
+    args.dtype = "bfloat16"
+    sweeps = {s.name: s for s in bench.build_sweeps(list(bench.SWEEPS), args)}
+    assert [c.nq for c in sweeps["n"].cases] == [1024] and all(c.causal for c in sweeps["n"].cases)
+    assert {c.label for c in sweeps["shapes"].cases} >= {"D2=D/2", "GQA H/4"}
+    assert sweeps["long"].providers == bench.STREAMKL_NAMES and sweeps["long"].modes == ("train",)
+    with pytest.raises(SystemExit):
+        bench.main(["--sweep", "nonsense"])
 
 
 @pytest.fixture(scope="module")
 def smoke_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
-    with pytest.MonkeyPatch.context() as mp:
-        # tests/test_triton.py sets TRITON_INTERPRET=1 for the whole session; interpreted
-        # kernels would turn this seconds-long run into minutes
-        mp.delenv("TRITON_INTERPRET", raising=False)
-        assert cli.main(["--smoke", "--out", str(out)]) == 0
+    assert bench.main(["--smoke", "--out", str(out)]) == 0
     return out, json.loads((out / "results.json").read_text())
 
 
-def test_smoke_writes_json_with_real_numbers(smoke_run):
-    out, data = smoke_run
-    meta = data["meta"]
-    for key in ("date", "argv", "versions", "git", "device"):
-        assert key in meta
-    assert meta["versions"]["torch"] and meta["device"]["type"] == "cpu"
-    assert data["gemm_yardstick"]["tflops"] > 0
-    results = data["results"]
-    assert {r["sweep"] for r in results} == {"n", "decode", "bwd-strategy", "shapes", "long"}
-    for provider in ("streamkl-reference", "torch", "torch.compile", "gemm"):
-        ok = _ok(results, provider=provider)
-        assert ok, f"no successful measurement for {provider}"
-        for r in ok:
-            assert math.isfinite(r["ms"]) and r["ms"] > 0 and r["tflops"] > 0
-    for mode in ("fwd", "bwd", "fwd+bwd"):
-        assert _ok(results, provider="streamkl-reference", mode=mode)
-    checked = [r for r in results if r["status"] == "ok" and "kl_err" in r.get("check", {})]
-    assert checked and all(r["check"]["kl_ok"] for r in checked)
-    assert all(r["check"].get("grad_ok", True) for r in checked)
-    assert any(r["check"].get("grad_err") for r in checked)
-    assert all(r.get("compile_s", 0) > 0 for r in _ok(results, provider="torch.compile"))
-    # GPU-only backends are recorded as such, never as errors
-    assert not [r for r in results if r["status"] == "error"]
-    triton = [r for r in results if r["provider"] == "streamkl-triton"]
-    assert triton and all(r["status"] == "unsupported" for r in triton)
+def _ok(records, **match):
+    return [r for r in records if r["status"] == "ok" and all(r[k] == v for k, v in match.items())]
 
 
-def test_smoke_writes_markdown_and_plots(smoke_run):
+def test_smoke_run_measures_every_cpu_provider(smoke_run):
+    _, data = smoke_run
+    env = data["runs"][0]["environment"]
+    for key in ("date", "argv", "commit", "torch", "triton", "cuda", "device"):
+        assert key in env
+    assert env["torch"] == torch.__version__ and env["argv"][1:] == ["--smoke", "--out", env["argv"][-1]]
+    records = data["records"]
+    assert {r["sweep"] for r in records} == set(bench.SWEEPS)
+    assert not [r for r in records if r["status"] == "error"]
+    for name in CPU_PROVIDERS:
+        for mode in ("fwd", "train"):
+            ok = _ok(records, provider=name, mode=mode)
+            assert ok, f"no measurement of {name} {mode}"
+            for r in ok:
+                assert math.isfinite(r["ms"]) and r["ms"] > 0 and r["tflops"] > 0, r
+                assert r["first_call_s"] > 0 and r["timer"].startswith("torch.utils.benchmark")
+                err = r["error"]
+                assert set(err) >= ({"kl", "dq2", "dk2"} if mode == "train" else {"kl"}), err
+                if name in EXACT:  # float32 arithmetic; bf16 inputs get bf16 gradients
+                    grad_budget = 1e-5 if r["case"]["dtype"] == "float32" else 1e-2
+                    assert err["kl"] < 1e-5 and max(err.get("dq2", 0), err.get("dk2", 0)) < grad_budget, r
+                elif r["case"]["dtype"] == "bfloat16":  # plausible for bf16 products: not zero, not wild
+                    assert 1e-5 < err["kl"] < 5e-2, r
+    # what cannot run here says why, in the record
+    for name in ("streamkl-cuda", "streamkl-triton", "sdpa-trick-cudnn", "attention-cudnn"):
+        recs = [r for r in records if r["provider"] == name]
+        assert recs and all(r["status"] == "n/a" and r["reason"] for r in recs), name
+    assert data["runs"][0]["gemm"] == {"start": None, "end": None}  # the yardstick is CUDA's
+
+
+def test_smoke_run_writes_markdown_and_plots(smoke_run):
     out, data = smoke_run
     md = (out / "results.md").read_text()
-    assert "| N | causal | PyTorch ms | torch.compile ms | streamkl-reference ms" in md
-    assert "vs PyTorch" in md and "vs torch.compile" in md and "% of GEMM" in md
-    row = next(line for line in md.splitlines() if line.startswith("| 64 | no |"))
+    assert "## Headline" in md and "fastest baseline" in md and "fp32 baselines" in md
+    for sweep in bench.SWEEPS:
+        assert f"## Sweep `{sweep}`" in md
+    # the headline names the fastest non-fp32 baseline of the same case, and its speed-up
+    row = next(line for line in md.splitlines() if line.startswith("| n | 128 full bf16 | fwd |"))
     cells = [c.strip() for c in row.strip("|").split("|")]
-    assert float(cells[4]) > 0 and cells[5].endswith("x")
-    for name in ("latency_vs_n.png", "memory_vs_n.png", "ablations.png"):
+    base = [r for r in _ok(data["records"], sweep="n", mode="fwd", kind="baseline") if r["case"]["nq"] == 128]
+    fastest = min((r for r in base if not r["case"]["causal"]), key=lambda r: r["ms"])
+    assert cells[6] == fastest["provider"] and cells[9].endswith("x")
+    assert "torch-fp32" in cells[10] and "torch.compile-fp32" in cells[10]
+    for name in ("tflops_vs_n.png", "time_vs_n.png", "error_vs_time.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_report_rerenders_from_json(smoke_run, tmp_path, capsys):
+def test_report_rerenders_from_json(smoke_run, tmp_path):
     out, _ = smoke_run
-    assert report.main([str(out / "results.json"), "--out", str(tmp_path)]) == 0
+    assert report.main([str(out / "results.json"), "--out", str(tmp_path), "--no-plots"]) == 0
     assert (tmp_path / "results.md").read_text() == (out / "results.md").read_text()
-    assert (tmp_path / "latency_vs_n.png").exists()
 
 
 def test_report_merges_runs(smoke_run, tmp_path):
     out, data = smoke_run
-    other = json.loads(json.dumps(data))
-    other["meta"]["argv"] = ["python -m streamkl.bench", "--sweep", "long"]
-    other["meta"]["git"] = {"commit": "abc1234", "source": "--commit"}
-    other["results"] = [r for r in other["results"] if r["sweep"] == "long"]
-    for r in other["results"]:
-        r["ms"] = r.get("ms", 1.0) * 2
-    (tmp_path / "long.json").write_text(json.dumps(other))
-    assert (
-        report.main(
-            [
-                str(out / "results.json"),
-                str(tmp_path / "long.json"),
-                "--out",
-                str(tmp_path / "merged"),
-                "--no-plots",
-            ]
-        )
-        == 0
-    )
-    merged = json.loads((tmp_path / "merged" / "results.json").read_text())
-    assert len(merged["results"]) == len(data["results"])
-    assert len(merged["meta"]["merged_runs"]) == 2
-    long_ok = [r for r in merged["results"] if r["sweep"] == "long" and r["status"] == "ok"]
-    assert long_ok and all(r in other["results"] for r in long_ok)
-    md = (tmp_path / "merged" / "results.md").read_text()
-    assert "--sweep long" in md
-    commit_row = next(line for line in md.splitlines() if line.startswith("| commit |"))
-    assert "abc1234" in commit_row, "a merged report names every run's commit"
-
-
-def test_report_merge_keeps_a_measurement_over_a_later_skip(smoke_run, tmp_path):
-    out, data = smoke_run
     later = json.loads(json.dumps(data))
-    measured = [r for r in later["results"] if r["status"] == "ok"]
-    for r in measured:
-        r.update(status="skipped", reason="time budget of 1 s spent")
-        r.pop("ms", None)
+    later["runs"][0]["environment"].update(commit="abc1234", dirty=False)
+    first = next(r for r in later["records"] if r["status"] == "ok")
+    gone = next(r for r in later["records"] if r["status"] == "ok" and r is not first)
+    first["ms"] = 1234.5
+    gone.update(status="n/a", reason="not started: --max-seconds 1 spent")
+    later["records"] = [first, gone]
     (tmp_path / "later.json").write_text(json.dumps(later))
+    merged_dir = tmp_path / "merged"
     assert (
-        report.main(
-            [
-                str(out / "results.json"),
-                str(tmp_path / "later.json"),
-                "--out",
-                str(tmp_path / "merged"),
-                "--no-plots",
-            ]
-        )
-        == 0
+        report.main([str(out / "results.json"), str(tmp_path / "later.json"), "--out", str(merged_dir)]) == 0
     )
-    merged = json.loads((tmp_path / "merged" / "results.json").read_text())
-    assert sum(r["status"] == "ok" for r in merged["results"]) == len(measured) > 0
+    merged = json.loads((merged_dir / "results.json").read_text())
+    assert len(merged["runs"]) == 2 and len(merged["records"]) == len(data["records"])
+
+    def find(rec):
+        key = (rec["sweep"], rec["case_key"], rec["provider"], rec["mode"])
+        return next(
+            r for r in merged["records"] if (r["sweep"], r["case_key"], r["provider"], r["mode"]) == key
+        )
+
+    assert find(first)["ms"] == 1234.5 and find(first)["run"] == 1  # a later measurement wins
+    assert find(gone)["status"] == "ok" and find(gone)["run"] == 0  # a later n/a does not
+    md = (merged_dir / "results.md").read_text()
+    assert "`abc1234`" in md and "1,234" in md
+    other = json.loads(json.dumps(data))
+    other["runs"][0]["environment"]["device"] = "NVIDIA H200"
+    with pytest.raises(ValueError, match="different devices"):
+        report.merge([data, other])
 
 
-def test_oom_and_errors_are_recorded_and_the_run_goes_on(tmp_path, monkeypatch):
-    real_dense = providers.dense_fp32
+def _raising(exc: BaseException):
+    calls = []
 
-    def dense_that_runs_out(q1, k1, q2, k2, causal):
-        if q1.shape[2] >= 64:
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 GiB")
-        return real_dense(q1, k1, q2, k2, causal)
+    def make(case):
+        def fn(*inputs):
+            calls.append(case.nq)
+            raise exc
 
-    def broken_streamkl(*args, **kwargs):
-        raise RuntimeError("kernel exploded")
+        return fn
 
-    monkeypatch.setattr(providers, "dense_fp32", dense_that_runs_out)
-    monkeypatch.setattr(providers, "_call_streamkl", broken_streamkl)
-    argv = [
-        "--smoke",
-        "--sweep",
-        "n",
-        "--sizes",
-        "32,64,128",
-        "--causal",
-        "0",
-        "--settings",
-        "q2k2",
-        "--providers",
-        "streamkl-reference,torch,gemm",
-        "--no-plots",
-        "--out",
-        str(tmp_path),
+    return make, calls
+
+
+def test_failures_are_recorded_and_the_run_goes_on(tmp_path):
+    oom, oom_calls = _raising(torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 TiB"))
+    broken, broken_calls = _raising(RuntimeError("the kernel fell over"))
+    exact = next(p for p in providers.all_providers("aot_eager") if p.name == "torch-fp32")
+    provs = [
+        Provider("fake-oom", "baseline", "runs out", oom),
+        Provider("fake-error", "baseline", "fails", broken),
     ]
-    # --smoke runs every sweep; restrict to n through the sweep list
+    provs.append(exact)
+    cases = [Case(1, 1, n, n, 8, 8, False, "float32") for n in (16, 32)]
+    run = {
+        "environment": bench.environment(torch.device("cpu"), ["test"], commit="0" * 40),
+        "config": {"providers": {p.name: p.what for p in provs}, "sweeps": {"n": "N"}},
+    }
+    runner = bench.Runner(
+        torch.device("cpu"), provs, tmp_path, bench.Options(min_run_time=0.001), run, log=str
+    )
+    data = runner.run([bench.Sweep("n", "N", cases)])
+    got = {(r["provider"], r["case"]["nq"], r["mode"]): r for r in data["records"]}
+    assert len(got) == 12
     assert (
-        cli.main(
-            [a for a in argv if a != "--smoke"]
-            + ["--device", "cpu", "--dtype", "float32", "--compile-backend", "aot_eager"]
-        )
-        == 0
+        got["fake-oom", 16, "fwd"]["status"] == "oom"
+        and "Tried to allocate" in got["fake-oom", 16, "fwd"]["reason"]
     )
-    data = json.loads((tmp_path / "results.json").read_text())
-    res = {(r["provider"], r["mode"], r["case"]["nq"]): r for r in data["results"]}
-    assert res[("torch", "fwd", 32)]["status"] == "ok"
-    assert res[("torch", "fwd", 64)]["status"] == "oom"
-    assert not res[("torch", "fwd", 64)].get("implied")
-    assert res[("torch", "fwd", 128)]["status"] == "oom" and res[("torch", "fwd", 128)]["implied"]
-    assert res[("torch", "bwd", 128)]["status"] == "oom"
-    assert res[("streamkl-reference", "fwd", 32)]["status"] == "error"
-    assert "kernel exploded" in res[("streamkl-reference", "fwd", 32)]["reason"]
-    assert res[("gemm", "fwd", 128)]["status"] == "ok"
-    md = (tmp_path / "results.md").read_text()
-    assert "OOM" in md and "kernel exploded" in md
-
-
-def test_budget_and_projection_skip(tmp_path):
-    argv = [
-        "--sweep",
-        "n",
-        "--sizes",
-        "32,256",
-        "--causal",
-        "0",
-        "--settings",
-        "q2k2",
-        "--providers",
-        "streamkl-reference,torch",
-        "--device",
-        "cpu",
-        "--dtype",
-        "float32",
-        "--max-call-reference-s",
-        "1e-9",
-        "--no-plots",
-        "--out",
-        str(tmp_path / "a"),
-    ]
-    assert cli.main(argv) == 0
-    data = json.loads((tmp_path / "a" / "results.json").read_text())
-    ref = {(r["mode"], r["case"]["nq"]): r for r in data["results"] if r["provider"] == "streamkl-reference"}
-    assert ref[("fwd", 32)]["status"] == "ok"
-    assert ref[("fwd", 256)]["status"] == "skipped" and "projected" in ref[("fwd", 256)]["reason"]
-    argv = argv[:-1] + [str(tmp_path / "b"), "--time-budget", "0"]
-    assert cli.main(argv) == 0
-    data = json.loads((tmp_path / "b" / "results.json").read_text())
-    assert data["results"] and all(r["status"] == "skipped" for r in data["results"])
-    assert (tmp_path / "b" / "results.md").exists()
-
-
-def test_quick_preset_plan(capsys):
-    """The preset the H200 run uses: every sweep of the issue, at the issue's shapes."""
-    from streamkl.bench.sweeps import Geometry, build
-
-    plan = {
-        sw.name: sw for sw in build("quick", ["n", "decode", "bwd-strategy", "shapes", "long"], Geometry())
-    }
-    n = plan["n"]
-    assert {(c.nq, c.causal) for c in n.cases} == {
-        (k * 1024, c) for k in (4, 8, 16, 32) for c in (False, True)
-    }
-    assert all((c.b, c.h, c.d1, c.d2, c.dtype) == (1, 32, 128, 128, "bfloat16") for c in n.cases)
-    assert [m for m in n.modes] == [("fwd", None), ("bwd", "q2k2"), ("bwd", "q1k1"), ("bwd", "all")]
-    assert {"streamkl", "torch", "torch.compile", "gemm"} <= set(n.providers)
-    decode = plan["decode"]
-    assert min(c.nq for c in decode.cases) == 1 and max(c.nq for c in decode.cases) == 256
-    assert {c.nk for c in decode.cases} == {32 * 1024, 128 * 1024}
-    envs = [env["STREAMKL_TRITON_SPLIT_K"] for _, env in decode.variants["streamkl-triton"]]
-    assert envs[0] == "off" and envs[-1] == "auto"
-    envs = [env["STREAMKL_TRITON_BWD"] for _, env in plan["bwd-strategy"].variants["streamkl-triton"]]
-    assert envs == ["fused", "separate", "auto"]
-    shapes = plan["shapes"].cases
-    assert any(c.d1 != c.d2 for c in shapes) and any(c.hk1 and c.hk1 < c.h for c in shapes)
-    assert [c.nq for c in plan["long"].cases] == [128 * 1024, 512 * 1024, 1024 * 1024]
-    assert all(c.causal for c in plan["long"].cases)
-    assert cli.main(["--sweep", "all", "--quick", "--device", "cpu", "--dry-run"]) == 0
-    assert "split_k=auto" in capsys.readouterr().out
-
-
-def test_triton_provider_under_the_interpreter(tmp_path):
-    """The Triton backend through the harness (env variants included), on CPU tensors, in a
-    fresh `python -m streamkl.bench` process: Triton must see TRITON_INTERPRET=1 before import."""
-    pytest.importorskip("triton")
-    argv = [
-        "--sweep",
-        "n,decode",
-        "--device",
-        "cpu",
-        "--heads",
-        "1",
-        "--dim",
-        "16",
-        "--sizes",
-        "32",
-        "--causal",
-        "1",
-        "--settings",
-        "q2k2",
-        "--decode-nq",
-        "1",
-        "--decode-nk",
-        "64",
-        "--providers",
-        "streamkl-triton",
-        "--no-plots",
-        "--out",
-        str(tmp_path),
-    ]
-    root = Path(__file__).resolve().parents[1]
-    env = dict(
-        os.environ,
-        TRITON_INTERPRET="1",
-        PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
+    assert got["fake-oom", 32, "fwd"]["status"] == "oom" and oom_calls == [16]  # larger: not tried
+    assert got["fake-error", 16, "fwd"]["status"] == got["fake-error", 32, "fwd"]["status"] == "error"
+    assert broken_calls == [16, 32]  # tried again: an error is no reason to skip
+    assert "the kernel fell over" in got["fake-error", 32, "fwd"]["traceback"]
+    assert got["fake-oom", 16, "train"]["status"] == "n/a"  # no training step
+    assert all(got["torch-fp32", n, m]["status"] == "ok" for n in (16, 32) for m in ("fwd", "train"))
+    assert json.loads((tmp_path / "results.json").read_text()) == data
+    md = report.markdown(data)
+    assert "| 16 full fp32 | fake-oom | OOM |" in md and "## Errors" in md and "the kernel fell over" in md
+    plots = [p.name for p in report.plots(data, tmp_path)]
+    assert plots == ["tflops_vs_n.png", "time_vs_n.png", "error_vs_time.png"]
+    # --max-seconds: nothing starts once it is spent, and each measurement says so
+    late = bench.Runner(
+        torch.device("cpu"), [exact], tmp_path / "late", bench.Options(max_seconds=0), run, str
     )
-    proc = subprocess.run(
-        [sys.executable, "-m", "streamkl.bench", *argv],
-        env=env,
-        cwd=root,
-        capture_output=True,
-        text=True,
-        timeout=600,
+    records = late.run([bench.Sweep("n", "N", cases)])["records"]
+    assert {r["status"] for r in records} == {"n/a"} and "--max-seconds" in records[0]["reason"]
+
+
+def test_readme_headline_blocks_match_their_json():
+    """Every headline block in README.md is the table its named JSON generates."""
+    assert report.stale_readme_blocks(ROOT / "README.md") == []
+
+
+def test_readme_block_is_generated_from_the_json_it_names(smoke_run, tmp_path):
+    out, data = smoke_run
+    run_json = tmp_path / "docs" / "run" / "results.json"
+    run_json.parent.mkdir(parents=True)
+    shutil.copy(out / "results.json", run_json)
+    readme = tmp_path / "README.md"
+    block = "<!-- bench:headline:start placeholder.json -->\nold table\n<!-- bench:headline:end -->"
+    readme.write_text(f"# project\n\n{block}\n\nafter\n")
+    assert report.main([str(run_json), "--readme", str(readme), "--sweeps", "n"]) == 0
+    text = readme.read_text()
+    assert text.startswith(
+        "# project\n\n<!-- bench:headline:start docs/run/results.json sweeps=n -->\n| sweep |"
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    results = json.loads((tmp_path / "results.json").read_text())["results"]
-    assert {(r["sweep"], r["mode"], r["variant"]) for r in results if r["status"] == "ok"} == {
-        ("n", "fwd", ""),
-        ("n", "bwd", ""),
-        ("decode", "fwd", "split_k=off"),
-        ("decode", "fwd", "split_k=8"),
-        ("decode", "fwd", "split_k=32"),
-        ("decode", "fwd", "split_k=auto"),
-    }
-    assert all(r["check"]["kl_ok"] and r["check"].get("grad_ok", True) for r in results)
+    assert text.endswith("<!-- bench:headline:end -->\n\nafter\n") and "old table" not in text
+    rows = [line for line in text.splitlines() if line.startswith("| n |")]
+    assert len(rows) == len(
+        {(r["case_key"], r["mode"]) for r in _ok(data["records"], sweep="n", kind="streamkl")}
+    )
+    assert "| decode |" not in text
+    assert report.stale_readme_blocks(readme) == []
+    readme.write_text(re.sub(r"\| (\d+\.\d+)x \|", "| 99.00x |", text, count=1))  # a figure copied by hand
+    assert report.stale_readme_blocks(readme) == ["docs/run/results.json"]
+    assert report.main([str(run_json), "--readme", str(readme)]) == 0  # rewritten, sweeps kept
+    assert readme.read_text() == text
 
 
-def test_rel_err_in_chunks_matches_the_dense_formula():
-    """The bench checks 1M-token gradients with streamkl.testing.rel_err: it works in slices so
-    no float64 copy of a whole gradient is made, and must equal the one-shot formula."""
-    from streamkl.testing import rel_err
-
-    gen = torch.Generator().manual_seed(0)
-    ref = torch.randn(2, 3, 257, 16, generator=gen)
-    x = (ref + 1e-2 * torch.randn(ref.shape, generator=gen)).to(torch.bfloat16)
-    x = x.transpose(1, 2).contiguous().transpose(1, 2)  # permuted strides, as (B,N,H,D) inputs
-    dense = ((x.double() - ref.double()).norm() / ref.double().norm()).item()
-    for chunk in (1, 100, 4096, 1 << 24):
-        assert math.isclose(rel_err(x, ref, chunk_elems=chunk), dense, rel_tol=1e-9)
-    assert rel_err(torch.zeros(4), torch.zeros(4)) == 0.0
-    assert rel_err(torch.ones(4), torch.zeros(4)) == 2.0  # ||x|| when the reference is zero
-    assert rel_err(torch.tensor(3.0), torch.tensor(2.0)) == 0.5
-    with pytest.raises(ValueError, match="shapes differ"):
-        rel_err(torch.zeros(3), torch.zeros(4))
-
-
-def test_a_first_call_past_single_shot_is_not_repeated_for_memory(tmp_path):
-    """With nothing to project from (the first size of a sweep), a first call that already took
-    --single-shot-s gives the memory figure itself: at 1M tokens a second 100 s call is waste."""
-    argv = [
-        "--sweep",
-        "n",
-        "--sizes",
-        "32",
-        "--causal",
-        "0",
-        "--settings",
-        "q2k2",
-        "--providers",
-        "streamkl-reference",
-        "--device",
-        "cpu",
-        "--dtype",
-        "float32",
-        "--no-plots",
-        "--repeats",
-        "1",
-    ]
-    assert cli.main(argv + ["--single-shot-s", "1e-9", "--out", str(tmp_path / "long")]) == 0
-    assert cli.main(argv + ["--out", str(tmp_path / "short")]) == 0
-    fwd = {}
-    for name in ("long", "short"):
-        data = json.loads((tmp_path / name / "results.json").read_text())
-        fwd[name] = next(r for r in data["results"] if r["mode"] == "fwd")
-        assert fwd[name]["status"] == "ok" and fwd[name]["check"]["kl_ok"]
-    assert fwd["long"].get("mem_from") == "first call"
-    assert "mem_from" not in fwd["short"]  # short calls measure memory on a call of their own
+def test_harness_lives_outside_the_package():
+    """The wheel carries no harness, and streamkl (python -m streamkl included) imports none of it."""
+    assert not (ROOT / "streamkl" / "bench").exists()
+    for path in (ROOT / "streamkl").rglob("*.py"):
+        assert not re.search(r"^\s*(from|import)\s+benchmarks\b", path.read_text(), re.M), path

@@ -1,0 +1,517 @@
+"""The benchmark harness: streamkl against every other way to get the same KL, in one process.
+
+    python benchmarks/bench.py                         # the n sweep, quick sizes, on the GPU
+    python benchmarks/bench.py --sweep all --full      # every sweep at every size
+    python benchmarks/bench.py --smoke                 # CPU, tiny, seconds (what CI runs)
+
+Writes OUT/results.json (environment, GEMM yardstick, one record per sweep x case x provider x
+mode, rewritten after every measurement), then OUT/results.md and PNG plots through
+benchmarks/report.py, which also merges runs and writes the README's headline block.
+docs/benchmarks/README.md says what is measured and how.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import datetime
+import gc
+import importlib.metadata
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+if __package__ in (None, ""):  # run as a script: the repository root holds the benchmarks package
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import streamkl  # noqa: E402
+from benchmarks import report  # noqa: E402
+from benchmarks.providers import Case, Provider, all_providers, attn_kl_flops  # noqa: E402
+from streamkl.testing import rel_err  # noqa: E402
+
+K = 1024
+SWEEPS = ("n", "decode", "shapes", "long")
+SCHEMA = "streamkl-bench/2"
+STREAMKL_NAMES = tuple(f"streamkl-{name}" for name in streamkl.BACKENDS)
+
+
+# ------------------------------------------------------------------------------------- sweeps
+@dataclass
+class Sweep:
+    name: str
+    what: str
+    cases: list[Case]
+    providers: tuple[str, ...] | None = None  # None: every provider
+    modes: tuple[str, ...] = ("fwd", "train")
+
+
+def _sizes(text: str | None) -> list[int] | None:
+    """'4k,8k,1m' -> [4096, 8192, 1048576]."""
+    if not text:
+        return None
+    unit = {"k": K, "m": K * K}
+    return [int(float(t.rstrip("km")) * unit.get(t[-1], 1)) for t in text.lower().replace(" ", "").split(",")]
+
+
+def build_sweeps(names: list[str], args) -> list[Sweep]:
+    full, h, d = args.full, args.heads, args.dim
+    causals = {"0": [False], "1": [True], "both": [False, True]}[args.causal]
+
+    def case(n_q, n_k, causal, **kw):
+        kw = {"d1": d, "d2": d, **kw}
+        return Case(b=args.batch, h=h, nq=n_q, nk=n_k, causal=causal, dtype=args.dtype, **kw)
+
+    sweeps = []
+    for name in names:
+        if name == "n":
+            sizes = _sizes(args.sizes) or [
+                s * K for s in ([4, 8, 16, 32, 64, 128, 256, 512] if full else [4, 8, 16, 32])
+            ]
+            cases = [case(n, n, c) for c in causals for n in sizes]
+            sweeps.append(Sweep("n", "N = Nq = Nk", cases))
+        elif name == "decode":
+            nqs = _sizes(args.decode_nq) or ([1, 2, 4, 8, 16, 32, 64, 128, 256] if full else [1, 16, 64, 256])
+            nks = _sizes(args.decode_nk) or [s * K for s in ([32, 64, 128] if full else [32, 128])]
+            cases = [case(nq, nk, c) for c in causals for nk in nks for nq in nqs]
+            sweeps.append(Sweep("decode", "a few query rows against a long key sequence", cases))
+        elif name == "shapes":
+            n = (_sizes(args.sizes) or [8 * K])[0]
+            shapes = {
+                "D2=D/2": dict(d2=d // 2),
+                "D1=D/2": dict(d1=d // 2),
+                "GQA H/4": dict(hk1=max(1, h // 4), hk2=max(1, h // 4)),
+                "D2=D/2, GQA H/4, H/8": dict(d2=d // 2, hk1=max(1, h // 4), hk2=max(1, h // 8)),
+            }
+            if full:
+                shapes["MQA"] = dict(hk1=1, hk2=1)
+            cases = [case(n, n, c, label=label, **kw) for c in causals for label, kw in shapes.items()]
+            sweeps.append(Sweep("shapes", "D1 != D2 and grouped key heads", cases))
+        elif name == "long":
+            sizes = _sizes(args.long_sizes) or [128 * K, 512 * K, 1024 * K]
+            long_causals = causals if full or args.causal != "both" else [True]
+            cases = [case(n, n, c) for c in long_causals for n in sizes]
+            modes = ("fwd", "train") if full else ("train",)
+            sweeps.append(Sweep("long", "long context, streamkl only", cases, STREAMKL_NAMES, modes))
+    return sweeps
+
+
+def smoke_sweeps() -> list[Sweep]:
+    """Every sweep in miniature for the CPU in seconds: bf16 (where every CPU provider runs) in
+    the n sweep, float32 in the others."""
+
+    def case(n_q, n_k, causal, dtype="float32", **kw):
+        kw = {"d1": 16, "d2": 16, **kw}
+        return Case(b=1, h=2, nq=n_q, nk=n_k, causal=causal, dtype=dtype, **kw)
+
+    return [
+        Sweep("n", "N = Nq = Nk", [case(n, n, c, "bfloat16") for c in (False, True) for n in (64, 128)]),
+        Sweep(
+            "decode",
+            "a few query rows against a long key sequence",
+            [case(1, 128, True), case(8, 128, False)],
+        ),
+        Sweep(
+            "shapes",
+            "D1 != D2 and grouped key heads",
+            [case(64, 64, True, d2=8, label="D2=D/2"), case(64, 64, False, hk1=1, hk2=1, label="GQA H/2")],
+        ),
+        Sweep("long", "long context, streamkl only", [case(256, 256, True)], STREAMKL_NAMES, ("train",)),
+    ]
+
+
+# ------------------------------------------------------------------------- timing and memory
+@dataclass
+class Options:
+    warmup_ms: float = 25.0  # do_bench (CUDA)
+    rep_ms: float = 100.0
+    min_run_time: float = 0.2  # blocked_autorange (CPU), seconds
+    long_call_s: float = 5.0  # a call at least this long after warm-up is timed by that one call
+    check_rows: int = 64
+    max_seconds: float | None = None  # no measurement starts after this many seconds
+    gemm_size: int = 8192
+    seed: int = 0
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def free_memory(device: torch.device) -> None:
+    if device.type == "cuda":  # on CPU a gc pass per measurement costs more than the smoke run
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def time_ms(fn, device: torch.device, opt: Options) -> tuple[float, str]:
+    """Median milliseconds of fn() (already warm) and how they were measured."""
+    if device.type == "cuda":
+        from triton.testing import do_bench
+
+        ms = do_bench(fn, warmup=opt.warmup_ms, rep=opt.rep_ms, return_mode="median")
+        return float(ms), f"triton.testing.do_bench(warmup={opt.warmup_ms:g}, rep={opt.rep_ms:g}), median"
+    from torch.utils.benchmark import Timer
+
+    m = Timer("fn()", globals={"fn": fn}).blocked_autorange(min_run_time=opt.min_run_time)
+    return m.median * 1e3, f"torch.utils.benchmark blocked_autorange, median of {len(m.times)} blocks"
+
+
+def gemm_yardstick(device: torch.device, size: int) -> dict | None:
+    """A bf16 size^3 GEMM timed sustained (a second of warm-up settles the clock): the
+    denominator of "% of GEMM". CUDA only."""
+    if device.type != "cuda":
+        return None
+    from triton.testing import do_bench
+
+    a, b = (torch.randn(size, size, device=device, dtype=torch.bfloat16) for _ in range(2))
+    ms = float(do_bench(lambda: a @ b, warmup=1000, rep=2000, return_mode="median"))
+    return {"size": size, "dtype": "bfloat16", "ms": ms, "tflops": 2 * size**3 / ms / 1e9}
+
+
+# ------------------------------------------------------------------------------- environment
+def _git(*cmd: str) -> str | None:
+    root = Path(__file__).resolve().parents[1]
+    try:
+        return subprocess.run(
+            ["git", "-C", str(root), *cmd], capture_output=True, text=True, check=True
+        ).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
+def environment(device: torch.device, argv: list[str], commit: str | None = None) -> dict:
+    def version(name):
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    if commit is None:
+        commit = (_git("rev-parse", "HEAD") or "").strip() or None
+        dirty = bool(_git("status", "--porcelain", "--untracked-files=no")) if commit else None
+    else:
+        dirty = None  # named by --commit: a copy without .git
+    cuda = device.type == "cuda"
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "argv": argv,
+        "commit": commit,
+        "dirty": dirty,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "triton": version("triton"),
+        "cuda": torch.version.cuda,
+        "device": torch.cuda.get_device_name(device) if cuda else _cpu_name(),
+        "device_type": device.type,
+        "platform": platform.platform(),
+    }
+
+
+# ------------------------------------------------------------------------------ measurements
+class Reference:
+    """The answer on the checked rows, computed once per case: the last `rows` query rows, which
+    under bottom-right causal alignment are exactly the problem with q sliced to them, by the
+    reference backend in float64. The training step's check takes g zero on every other row
+    (`g_check`), so dq2 on those rows and the whole dk2 are exact."""
+
+    def __init__(self, case: Case, inputs: tuple, g: torch.Tensor, rows: int):
+        self.case, self.inputs, self.rows = case, inputs, max(1, min(rows, case.nq))
+        self.g_check = torch.zeros_like(g)
+        self.g_check[..., -self.rows :] = g[..., -self.rows :]
+        self.answer = None  # (name, kl, dq2, dk2), or why the reference failed
+
+    def _compute(self):
+        q1, k1, q2, k2 = self.inputs
+        r = self.rows
+        # float64 copies of the keys up to 8 GiB; beyond (512K tokens and more) the inputs' dtype,
+        # which the reference accumulates in float32
+        dtype = torch.float64 if (k1.numel() + k2.numel()) * 8 <= 2**33 else q1.dtype
+        x = [t.detach().to(dtype) for t in (q1[:, :, -r:], k1, q2[:, :, -r:], k2)]
+        x[2].requires_grad_()
+        x[3].requires_grad_()
+        kl = streamkl.attn_kl(*x, causal=self.case.causal, backend="reference")
+        dq2, dk2 = torch.autograd.grad(kl, x[2:], self.g_check[..., -r:].to(kl.dtype))
+        name = f"streamkl-reference in {str(dtype).replace('torch.', '')}, last {r} rows"
+        return name, kl.detach(), dq2, dk2
+
+    def errors(self, out, mode: str) -> dict:
+        """KL: max over the rows of |kl - ref| / max(1, |ref|); gradients: relative norm error."""
+        if self.answer is None:
+            try:
+                self.answer = self._compute()
+            except Exception as exc:  # noqa: BLE001 - the measurements go on without their check
+                self.answer = f"reference: {type(exc).__name__}: {str(exc)[:300]}"
+        if isinstance(self.answer, str):
+            return {"failed": self.answer}
+        name, kl, dq2, dk2 = self.answer
+        got = out if mode == "fwd" else out[0]
+        r = self.rows
+        err = (got[..., -r:].double() - kl.double()).abs() / kl.double().abs().clamp_min(1.0)
+        errors = {"reference": name, "kl": err.max().item()}
+        if mode == "train":
+            errors["dq2"] = rel_err(out[1][:, :, -r:], dq2)
+            errors["dk2"] = rel_err(out[2], dk2)
+        return errors
+
+
+class Runner:
+    """Runs sweeps x cases x modes x providers one measurement at a time; a failure or an OOM is
+    a record and the run goes on."""
+
+    def __init__(self, device, providers: list[Provider], out: Path, options: Options, run: dict, log=print):
+        self.device, self.providers, self.out, self.opt, self.log = device, providers, Path(out), options, log
+        self.data = {"schema": SCHEMA, "runs": [run], "records": []}
+        self.oom_at: dict[tuple, int] = {}  # (sweep, provider, mode) -> fewest logits that ran out
+        self.t0 = time.perf_counter()
+
+    def save(self) -> Path:
+        self.out.mkdir(parents=True, exist_ok=True)
+        path = self.out / "results.json"
+        path.with_suffix(".tmp").write_text(json.dumps(self.data, indent=1))
+        os.replace(path.with_suffix(".tmp"), path)
+        return path
+
+    def run(self, sweeps: list[Sweep]) -> dict:
+        gemm = self.data["runs"][0]["gemm"] = {"start": gemm_yardstick(self.device, self.opt.gemm_size)}
+        for sweep in sweeps:
+            self.log(f"== sweep {sweep.name}: {sweep.what}, {len(sweep.cases)} cases")
+            providers = [p for p in self.providers if sweep.providers is None or p.name in sweep.providers]
+            for case in sweep.cases:
+                self.run_case(sweep, case, providers)
+        gemm["end"] = gemm_yardstick(self.device, self.opt.gemm_size)
+        self.data["runs"][0]["elapsed_s"] = round(time.perf_counter() - self.t0, 1)
+        self.save()
+        return self.data
+
+    def run_case(self, sweep: Sweep, case: Case, providers: list[Provider]) -> None:
+        try:
+            inputs = case.inputs(self.device, self.opt.seed)
+            gen = torch.Generator(device=self.device).manual_seed(self.opt.seed + 1)
+            g = torch.randn(case.b, case.h, case.nq, generator=gen, device=self.device)
+        except Exception as exc:  # noqa: BLE001 - inputs that do not fit: every measurement says so
+            for mode in sweep.modes:
+                for prov in providers:
+                    self._record(sweep, case, prov, mode, status="error", reason=f"inputs: {exc}"[:500])
+            free_memory(self.device)
+            return
+        reference = Reference(case, inputs, g, self.opt.check_rows)
+        for mode in sweep.modes:
+            for prov in providers:
+                self.measure(sweep, case, prov, mode, inputs, g, reference)
+        del inputs, g, reference
+        free_memory(self.device)
+
+    def _record(self, sweep, case, prov, mode, **fields) -> dict:
+        rec = {
+            "run": 0,
+            "sweep": sweep.name,
+            "case": dataclasses.asdict(case),
+            "case_key": case.key,
+            "provider": prov.name,
+            "kind": prov.kind,
+            "mode": mode,
+            "flops": attn_kl_flops(case, mode),
+            **fields,
+        }
+        self.data["records"].append(rec)
+        self.save()
+        self.log(report.one_line(rec))
+        return rec
+
+    def _not_run(self, sweep, case, prov, mode, inputs) -> tuple[str, str] | None:
+        elapsed = time.perf_counter() - self.t0
+        if self.opt.max_seconds is not None and elapsed > self.opt.max_seconds:
+            return "n/a", f"not started: --max-seconds {self.opt.max_seconds:g} spent"
+        if mode == "train" and prov.train is None:
+            return "n/a", "no training step (a forward yardstick)"
+        reason = prov.why_not(case, inputs)
+        if reason:
+            return "n/a", reason
+        smallest = self.oom_at.get((sweep.name, prov.name, mode))
+        if smallest is not None and case.logits >= smallest:
+            return "oom", f"not run: out of memory at {smallest} logits, here {case.logits}"
+        return None
+
+    def measure(self, sweep, case, prov, mode, inputs, g, reference) -> dict:
+        skip = self._not_run(sweep, case, prov, mode, inputs)
+        if skip:
+            return self._record(sweep, case, prov, mode, status=skip[0], reason=skip[1])
+        fields = {}
+        try:
+            fields = self._time(case, prov, mode, inputs, g, reference)
+        except torch.cuda.OutOfMemoryError as exc:
+            fields = {"status": "oom", "reason": str(exc).splitlines()[0][:300]}
+            key = (sweep.name, prov.name, mode)
+            self.oom_at[key] = min(self.oom_at.get(key, case.logits), case.logits)
+        except Exception as exc:  # noqa: BLE001 - a failure is a result, the run goes on
+            fields = {
+                "status": "error",
+                "reason": f"{type(exc).__name__}: {str(exc)[:1000]}",
+                "traceback": traceback.format_exc(limit=-6)[-3000:],
+            }
+        free_memory(self.device)
+        return self._record(sweep, case, prov, mode, **fields)
+
+    def _time(self, case, prov, mode, inputs, g, reference) -> dict:
+        """First call (warm-up: JIT, autotuning, compilation; checked), a second call (peak memory
+        on CUDA: max_memory_allocated minus what was allocated before, outputs included), then
+        the timing, all through the same calls."""
+        fn = prov.fwd(case) if mode == "fwd" else prov.train(case)
+        checked = inputs if mode == "fwd" else (*inputs, reference.g_check)
+        args = inputs if mode == "fwd" else (*inputs, g)
+        fields = {}
+        t0 = time.perf_counter()
+        out = fn(*checked)
+        synchronize(self.device)
+        fields["first_call_s"] = round(time.perf_counter() - t0, 4)
+        if prov.kind != "yardstick":
+            fields["error"] = reference.errors(out, mode)
+        del out
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+            before = torch.cuda.memory_allocated(self.device)
+        t0 = time.perf_counter()
+        out = fn(*args)
+        synchronize(self.device)
+        one_call_s = time.perf_counter() - t0
+        fields["mem_bytes"] = torch.cuda.max_memory_allocated(self.device) - before if cuda else None
+        del out
+        if one_call_s >= self.opt.long_call_s:  # a multi-second call: one sample is enough
+            ms, timer = one_call_s * 1e3, "one synchronized call (over --long-call-s)"
+        else:
+            ms, timer = time_ms(lambda: fn(*args), self.device, self.opt)
+        return {
+            "status": "ok",
+            "ms": ms,
+            "tflops": attn_kl_flops(case, mode) / ms / 1e9,
+            "timer": timer,
+            **fields,
+        }
+
+
+# -------------------------------------------------------------------------------------- CLI
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python benchmarks/bench.py",
+        description="Time streamkl and the other ways to compute the same KL, with their errors "
+        "against float64; write results.json, results.md and plots.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--sweep", default="n", help=f"comma list of {', '.join(SWEEPS)}, or all")
+    preset = p.add_mutually_exclusive_group()
+    preset.add_argument("--full", action="store_true", help="every size (default: the quick sizes)")
+    preset.add_argument("--smoke", action="store_true", help="every sweep in miniature on CPU (CI)")
+    p.add_argument("--sizes", help="N of the n sweep (and of shapes: its first), e.g. 4k,8k")
+    p.add_argument("--long-sizes", help="N of the long sweep, e.g. 128k,1m")
+    p.add_argument("--decode-nq", help="Nq of the decode sweep, e.g. 1,16,256")
+    p.add_argument("--decode-nk", help="Nk of the decode sweep, e.g. 32k,128k")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument(
+        "--dtype", choices=["bfloat16", "float16", "float32"], default=None, help="default: bf16 on GPU"
+    )
+    p.add_argument("--causal", choices=["0", "1", "both"], default="both")
+    p.add_argument("--providers", help="comma list of provider names (default: all)")
+    p.add_argument("--device", help="cuda (the default when there is one) or cpu")
+    p.add_argument("--out", help="output folder (default: docs/benchmarks/<date>_<device>)")
+    p.add_argument("--warmup-ms", type=float, default=25.0, help="do_bench warm-up")
+    p.add_argument("--rep-ms", type=float, default=100.0, help="do_bench measuring time")
+    p.add_argument("--min-run-time", type=float, default=None, help="CPU: blocked_autorange seconds")
+    p.add_argument("--long-call-s", type=float, default=5.0, help="calls this long are timed once")
+    p.add_argument("--check-rows", type=int, default=64, help="query rows checked against float64")
+    p.add_argument("--max-seconds", type=float, default=None, help="start no measurement after this")
+    p.add_argument("--gemm-size", type=int, default=8192)
+    p.add_argument("--compile-backend", help="default: inductor on GPU, aot_eager on CPU")
+    p.add_argument("--commit", help="the commit to record where the copy has no .git")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-plots", action="store_true")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser().parse_args(argv)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() and not args.smoke else "cpu"))
+    cuda = device.type == "cuda"
+    providers = all_providers(args.compile_backend or ("inductor" if cuda else "aot_eager"))
+    if args.smoke:
+        sweeps = smoke_sweeps()
+        # Triton's interpreter takes about a second a call: the smoke run leaves it to the tests
+        interpreted = dataclasses.replace(
+            next(p for p in providers if p.name == "streamkl-triton"),
+            why_not=lambda case, inputs: "left out of --smoke (Triton's interpreter: about 1 s a call)",
+        )
+        providers = [interpreted if p.name == "streamkl-triton" else p for p in providers]
+    else:
+        names = list(SWEEPS) if args.sweep == "all" else args.sweep.split(",")
+        if set(names) - set(SWEEPS):
+            parser().error(f"unknown sweep in {args.sweep!r}; expected {', '.join(SWEEPS)} or all")
+        args.dtype = args.dtype or ("bfloat16" if cuda else "float32")
+        sweeps = build_sweeps(names, args)
+    if args.providers:
+        wanted = args.providers.split(",")
+        unknown = set(wanted) - {p.name for p in providers}
+        if unknown:
+            parser().error(
+                f"unknown providers {sorted(unknown)}; known: {', '.join(p.name for p in providers)}"
+            )
+        providers = [p for p in providers if p.name in wanted]
+    options = Options(
+        warmup_ms=args.warmup_ms,
+        rep_ms=args.rep_ms,
+        min_run_time=args.min_run_time or (0.01 if args.smoke else 0.2),
+        long_call_s=args.long_call_s,
+        check_rows=args.check_rows,
+        max_seconds=args.max_seconds,
+        gemm_size=args.gemm_size,
+        seed=args.seed,
+    )
+    env = environment(device, ["benchmarks/bench.py", *argv], args.commit)
+    slug = re.sub(r"[^a-z0-9]+", "-", env["device"].lower().replace("nvidia", "")).strip("-")
+    out = Path(args.out or f"docs/benchmarks/{env['date'][:10]}_{slug if cuda else 'cpu'}")
+    run = {
+        "environment": env,
+        "config": {
+            "preset": "smoke" if args.smoke else "full" if args.full else "quick",
+            "sweeps": {s.name: s.what for s in sweeps},
+            "providers": {p.name: p.what for p in providers},
+            "options": dataclasses.asdict(options),
+        },
+    }
+    log = lambda msg: print(msg, flush=True)
+    log(f"benchmarks/bench.py on {env['device']}: sweeps {', '.join(s.name for s in sweeps)}; out {out}")
+    runner = Runner(device, providers, out, options, run, log)
+    data = runner.run(sweeps)
+    try:
+        written = report.render(data, out, with_plots=not args.no_plots)
+    except ImportError as exc:  # matplotlib missing: the JSON and the tables are the record
+        log(f"no plots: {exc}")
+        written = report.render(data, out, with_plots=False)
+    counts = dict(collections.Counter(r["status"] for r in data["records"]))
+    paths = ", ".join(str(p) for p in [out / "results.json", *written])
+    log(f"done in {run['elapsed_s']} s: {counts}; wrote {paths}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,271 @@
+"""What the harness times: streamkl's backends and every other way a user gets the same KL today.
+
+A provider gives, per case, a forward `fwd(q1, k1, q2, k2) -> kl (B, H, Nq)` and, where it has
+one, a training step `train(q1, k1, q2, k2, g) -> (kl, dq2, dk2)`: the forward plus the student's
+gradients for an upstream gradient g with the teacher fixed (the step of attention distillation).
+`why_not(case, inputs)` says why a provider cannot run a case (None when it can). Every provider
+is timed by the one code path of benchmarks/bench.py.
+
+Kinds: "streamkl" (a backend of the op); "baseline" (the competitors: the dense formula in the
+inputs' 16-bit dtype, eager and compiled, and the KL through attention calls); "exact" (the dense
+formula in float32, the exactness baselines); "yardstick" (one cuDNN attention forward, which
+computes no KL: what a fused kernel of the same two GEMMs should approach).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+import streamkl
+from benchmarks import sdpa_trick
+from streamkl.testing import dense_attn_kl, visible_mask
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+SHORT_DTYPE = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+# The reference backend is the slow oracle: on a GPU it runs problems up to this many visible pairs
+# (N = 8K at 32 heads, non-causal).
+REFERENCE_MAX_PAIRS_CUDA = 2**31
+
+
+@dataclass(frozen=True)
+class Case:
+    b: int
+    h: int
+    nq: int
+    nk: int
+    d1: int
+    d2: int
+    causal: bool
+    dtype: str
+    hk1: int | None = None  # key heads (GQA); None: h
+    hk2: int | None = None
+    label: str = ""
+
+    @property
+    def key(self) -> str:
+        heads = f"{self.h}/{self.hk1 or self.h}/{self.hk2 or self.h}"
+        return (
+            f"b={self.b} h={heads} nq={self.nq} nk={self.nk} d={self.d1}/{self.d2} "
+            f"causal={int(self.causal)} {self.dtype}"
+        )
+
+    @property
+    def logits(self) -> int:
+        """Entries of one Nq x Nk logits matrix over batch and heads: what dense memory grows with."""
+        return self.b * self.h * self.nq * self.nk
+
+    def scales(self) -> tuple[float, float]:
+        return self.d1**-0.5, self.d2**-0.5
+
+    def inputs(self, device, seed: int = 0) -> tuple[torch.Tensor, ...]:
+        gen = torch.Generator(device=device).manual_seed(seed)
+        shapes = [
+            (self.b, self.h, self.nq, self.d1),
+            (self.b, self.hk1 or self.h, self.nk, self.d1),
+            (self.b, self.h, self.nq, self.d2),
+            (self.b, self.hk2 or self.h, self.nk, self.d2),
+        ]
+        dtype = DTYPES[self.dtype]
+        return tuple(torch.randn(s, generator=gen, device=device, dtype=dtype) for s in shapes)
+
+
+def visible_pairs(nq: int, nk: int, causal: bool) -> int:
+    """(row, key) pairs of one (batch, head) that are visible; causal is bottom-right aligned."""
+    if not causal:
+        return nq * nk
+    if nk >= nq:  # row i sees i + (nk - nq) + 1 keys
+        return nq * (nk - nq + 1) + nq * (nq - 1) // 2
+    return nk * (nk + 1) // 2  # the first nq - nk rows see nothing
+
+
+def attn_kl_flops(case: Case, mode: str) -> int:
+    """The one FLOP count behind every TFLOP/s and "% of GEMM": GEMM work only (exponentials,
+    masks and reductions are free, as in flash-attention's benchmarks), over the visible pairs.
+
+        fwd   = S1 = q1 k1^T and S2 = q2 k2^T       = 2 * pairs * (D1 + D2)
+                (= 4 * B * H * pairs * D when D1 = D2 = D)
+        train = fwd + the teacher-fixed backward's four GEMMs: S1 and S2 recomputed,
+                dq2 = dS2 k2 and dk2 = dS2^T q2     = fwd + 2 * pairs * (D1 + D2) + 4 * pairs * D2
+                (= 3 * fwd when D1 = D2)
+
+    Every provider of a case is credited with the same useful work, whatever it computes more
+    (dense baselines the masked half, attention calls their extra passes); attention-cudnn with
+    the forward's count (its QK^T and PV when D1 = D2, the only cases it runs).
+    """
+    pairs = case.b * case.h * visible_pairs(case.nq, case.nk, case.causal)
+    fwd = 2 * pairs * (case.d1 + case.d2)
+    if mode == "fwd":
+        return fwd
+    if mode == "train":
+        return 2 * fwd + 4 * pairs * case.d2
+    raise ValueError(f"mode must be 'fwd' or 'train', got {mode!r}")
+
+
+@dataclass
+class Provider:
+    name: str
+    kind: str  # "streamkl" | "baseline" | "exact" | "yardstick"
+    what: str  # one line for the report
+    fwd: Callable[[Case], Callable]
+    train: Callable[[Case], Callable] | None = None
+    why_not: Callable[[Case, tuple], str | None] = lambda case, inputs: None
+
+
+def autograd_train(fwd: Callable) -> Callable:
+    """The training step through autograd: the teacher detached, the gradients of q2 and k2."""
+
+    def train(q1, k1, q2, k2, g):
+        q2, k2 = q2.detach().requires_grad_(), k2.detach().requires_grad_()
+        kl = fwd(q1, k1, q2, k2)
+        dq2, dk2 = torch.autograd.grad(kl, (q2, k2), g)
+        return kl.detach(), dq2, dk2
+
+    return train
+
+
+@contextlib.contextmanager
+def exact_fp32_matmuls():
+    """Float32 products in true float32 (TF32 off) for the exact baselines; restored after."""
+    matmul = torch.backends.cuda.matmul
+    # torch >= 2.9 has fp32_precision and may refuse the older flag once it is in use
+    attr, exact = ("fp32_precision", "ieee") if hasattr(matmul, "fp32_precision") else ("allow_tf32", False)
+    saved = getattr(matmul, attr)
+    setattr(matmul, attr, exact)
+    try:
+        yield
+    finally:
+        setattr(matmul, attr, saved)
+
+
+def dense_autocast(q1, k1, q2, k2, causal: bool):
+    """The dense formula as autocast code runs it: the two matmuls in the inputs' dtype, the
+    log-softmaxes and the KL in float32; both (B, H, Nq, Nk) distributions materialized."""
+    mask = visible_mask(q1.shape[2], k1.shape[2], True, q1.device) if causal else None
+
+    def log_probs(q, k):
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        s = (q @ k.transpose(-1, -2)).float() * q.shape[-1] ** -0.5
+        return (s if mask is None else s.masked_fill(~mask, -math.inf)).log_softmax(-1)
+
+    logp1, logp2 = log_probs(q1, k1), log_probs(q2, k2)
+    diff = logp1 - logp2
+    if mask is not None:  # -inf - -inf on the masked keys: 0, and no NaN in the backward
+        diff = diff.masked_fill(~mask, 0.0)
+    return (logp1.exp() * diff).sum(-1)
+
+
+def dense_fp32(q1, k1, q2, k2, causal: bool):
+    return dense_attn_kl(q1, k1, q2, k2, causal=causal, dtype=torch.float32)
+
+
+def _dense(name, kind, what, formula, compile_backend, exact=False, why_not=None) -> list[Provider]:
+    """The dense formula eager (`torch-<name>`) and under torch.compile (`torch.compile-<name>`,
+    compiled afresh per measurement: dynamo reset, so its first call is the compilation). `exact`:
+    float32 products in true float32 around every call, compilation included."""
+
+    def around(fn):
+        if not exact:
+            return fn
+
+        def call(*args):
+            with exact_fp32_matmuls():
+                return fn(*args)
+
+        return call
+
+    def eager(case):
+        return around(lambda q1, k1, q2, k2: formula(q1, k1, q2, k2, case.causal))
+
+    def compiled(case):
+        torch._dynamo.reset()
+        fn = lambda q1, k1, q2, k2: formula(q1, k1, q2, k2, case.causal)
+        return around(torch.compile(fn, backend=compile_backend, dynamic=False))
+
+    why_not = why_not or (lambda case, inputs: None)
+    return [
+        Provider(f"torch-{name}", kind, f"{what}, eager", eager, lambda c: autograd_train(eager(c)), why_not),
+        Provider(
+            f"torch.compile-{name}",
+            kind,
+            f"{what}, torch.compile ({compile_backend})",
+            compiled,
+            lambda c: autograd_train(compiled(c)),
+            why_not,
+        ),
+    ]
+
+
+def _streamkl(backend: str) -> Provider:
+    def fwd(case):
+        return lambda q1, k1, q2, k2: streamkl.attn_kl(q1, k1, q2, k2, causal=case.causal, backend=backend)
+
+    def why_not(case, inputs):
+        pairs = case.b * case.h * visible_pairs(case.nq, case.nk, case.causal)
+        if backend == "reference" and inputs[0].is_cuda and pairs > REFERENCE_MAX_PAIRS_CUDA:
+            return f"the reference backend (the slow oracle) runs up to 2^31 pairs on a GPU, not {pairs}"
+        return streamkl.available_backends(*inputs)[backend]
+
+    what = f"`streamkl.attn_kl(..., backend={backend!r})`; train: autograd of q2, k2"
+    return Provider(f"streamkl-{backend}", "streamkl", what, fwd, lambda c: autograd_train(fwd(c)), why_not)
+
+
+def _sdpa_trick(backend: str) -> Provider:
+    def kw(case):
+        s1, s2 = case.scales()
+        return dict(causal=case.causal, scale1=s1, scale2=s2, backend=backend)
+
+    def fwd(case):
+        return lambda q1, k1, q2, k2: sdpa_trick.kl(q1, k1, q2, k2, **kw(case))
+
+    def train(case):
+        def step(q1, k1, q2, k2, g):
+            kl = sdpa_trick.kl(q1, k1, q2, k2, **kw(case))
+            return (kl, *sdpa_trick.student_grads(q1, k1, q2, k2, g, **kw(case)))
+
+        return step
+
+    what = (
+        f"KL from three {backend} attention forwards, train: `benchmarks/sdpa_trick.student_grads` "
+        "(attention outputs and two value-gradients)"
+    )
+    why_not = lambda case, inputs: sdpa_trick.unsupported(*inputs, case.causal, backend)
+    return Provider(f"sdpa-trick-{backend}", "baseline", what, fwd, train, why_not)
+
+
+def _attention_cudnn() -> Provider:
+    def fwd(case):
+        scale = case.scales()[0]
+        return lambda q1, k1, q2, k2: sdpa_trick.attention(q1, k1, k1, case.causal, scale, "cudnn")[0]
+
+    def why_not(case, inputs):
+        if case.d1 != case.d2 or (case.hk1 or case.h) != case.h:
+            return "the yardstick runs where D1 == D2 and without GQA"
+        return sdpa_trick.unsupported(*inputs, case.causal, "cudnn")
+
+    what = "one cuDNN attention forward of q1, k1 (V = k1): a yardstick, not a KL"
+    return Provider("attention-cudnn", "yardstick", what, fwd, None, why_not)
+
+
+def all_providers(compile_backend: str = "inductor") -> list[Provider]:
+    """Every provider, in the report's order."""
+
+    def only_16bit(case, inputs):
+        if case.dtype not in ("bfloat16", "float16"):
+            return f"runs 16-bit inputs (on {case.dtype} inputs it is torch-fp32)"
+        return None
+
+    autocast = "dense formula: matmuls in the inputs' 16-bit dtype, log-softmax in float32"
+    exact = "`streamkl.testing.dense_attn_kl` in float32, TF32 off: the exact baseline"
+    return [
+        *(_streamkl(name) for name in streamkl.BACKENDS),
+        *_dense("bf16", "baseline", autocast, dense_autocast, compile_backend, why_not=only_16bit),
+        _sdpa_trick("flash"),
+        _sdpa_trick("cudnn"),
+        *_dense("fp32", "exact", exact, dense_fp32, compile_backend, exact=True),
+        _attention_cudnn(),
+    ]

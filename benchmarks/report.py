@@ -1,0 +1,372 @@
+"""Markdown, plots and the README's headline, from results.json (the data first, rendering second).
+
+    python benchmarks/report.py RUN.json                          # RUN's folder: results.md, PNGs
+    python benchmarks/report.py A.json B.json --out DIR           # merged into DIR/results.json
+    python benchmarks/report.py RUN.json --readme README.md [--sweeps n]
+
+Merging: runs on one device become one report; a later run's record of a measurement replaces an
+earlier one, except a later n/a. --readme rewrites the block between
+`<!-- bench:headline:start PATH [sweeps=...] -->` and `<!-- bench:headline:end -->` with the
+headline table of RUN.json, PATH naming RUN.json relative to the README; tests/test_bench.py
+regenerates every such block from the JSON it names.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import itertools
+import json
+import os
+import re
+import sys
+from pathlib import Path
+
+SHORT_DTYPE = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+MODE_TITLE = {"fwd": "forward", "train": "training step (forward, then dq2 and dk2 with the teacher fixed)"}
+COLORS = {
+    "streamkl-cuda": "tab:red",
+    "streamkl-triton": "tab:blue",
+    "streamkl-reference": "tab:cyan",
+    "torch-bf16": "tab:orange",
+    "torch.compile-bf16": "tab:green",
+    "sdpa-trick-flash": "tab:purple",
+    "sdpa-trick-cudnn": "tab:brown",
+    "torch-fp32": "tab:pink",
+    "torch.compile-fp32": "tab:olive",
+    "attention-cudnn": "black",
+}
+README_BLOCK = re.compile(
+    r"<!-- bench:headline:start (?P<path>\S+)(?: sweeps=(?P<sweeps>\S+))? -->\n"
+    r"(?P<body>.*?)<!-- bench:headline:end -->",
+    re.S,
+)
+
+
+# --------------------------------------------------------------------------------- formatting
+def fmt_n(n: int) -> str:
+    for unit, suffix in ((2**20, "M"), (2**10, "K")):
+        if n >= unit and n % unit == 0:
+            return f"{n // unit}{suffix}"
+    return str(n)
+
+
+def fmt_ms(ms: float) -> str:
+    return f"{ms:.3f}" if ms < 1 else f"{ms:.2f}" if ms < 100 else f"{ms:,.0f}"
+
+
+def case_name(c: dict) -> str:
+    size = fmt_n(c["nq"]) if c["nq"] == c["nk"] else f"{fmt_n(c['nq'])}x{fmt_n(c['nk'])}"
+    label = f" {c['label']}" if c.get("label") else ""
+    return f"{size} {'causal' if c['causal'] else 'full'} {SHORT_DTYPE.get(c['dtype'], c['dtype'])}{label}"
+
+
+def time_cell(rec: dict | None) -> str:
+    if rec is None:
+        return "—"
+    return fmt_ms(rec["ms"]) if rec["status"] == "ok" else {"oom": "OOM"}.get(rec["status"], rec["status"])
+
+
+def error_cell(rec: dict | None) -> str:
+    """KL error (forward), or KL / dq2 / dk2 errors (training step)."""
+    err = (rec or {}).get("error") or {}
+    if "kl" not in err:
+        return "check failed" if "failed" in err else "—"
+    return " / ".join(f"{err[k]:.1e}" for k in ("kl", "dq2", "dk2") if k in err)
+
+
+def gemm_tflops(data: dict, rec: dict) -> float | None:
+    """TFLOP/s of the GEMM yardstick at the start of the record's run (None off CUDA)."""
+    start = ((data["runs"][rec.get("run", 0)].get("gemm") or {}).get("start")) or {}
+    return start.get("tflops")
+
+
+def one_line(rec: dict) -> str:
+    head = f"[{rec['sweep']}] {case_name(rec['case'])} {rec['provider']} {rec['mode']}"
+    if rec["status"] != "ok":
+        return f"{head}: {rec['status']} ({(rec.get('reason') or '')[:160]})"
+    return f"{head}: {fmt_ms(rec['ms'])} ms, {rec['tflops']:.3g} TFLOP/s, error {error_cell(rec)}"
+
+
+def table(header: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c).replace("|", "/") for c in row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+# ------------------------------------------------------------------------------------- merging
+def load(path) -> dict:
+    return json.loads(Path(path).read_text())
+
+
+def merge(runs: list[dict]) -> dict:
+    devices = {r["environment"]["device"] for data in runs for r in data["runs"]}
+    if len(devices) > 1:
+        raise ValueError(f"refusing to merge runs from different devices: {sorted(devices)}")
+    merged = {"schema": runs[0]["schema"], "runs": [], "records": []}
+    by_key: dict[tuple, dict] = {}
+    for data in runs:
+        offset = len(merged["runs"])
+        merged["runs"] += data["runs"]
+        for rec in data["records"]:
+            rec = {**rec, "run": rec.get("run", 0) + offset}
+            key = (rec["sweep"], rec["case_key"], rec["provider"], rec["mode"])
+            if rec["status"] != "n/a" or key not in by_key:
+                by_key[key] = rec
+    merged["records"] = list(by_key.values())
+    return merged
+
+
+# ------------------------------------------------------------------------------------ markdown
+def _groups(records: list[dict]) -> dict[tuple, list[dict]]:
+    """(sweep, case_key, mode) -> its records, in the order measured."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in records:
+        groups.setdefault((r["sweep"], r["case_key"], r["mode"]), []).append(r)
+    return groups
+
+
+def headline(data: dict, sweeps: list[str] | None = None) -> str:
+    """Per case and mode: streamkl's fastest backend against the fastest non-fp32 baseline of the
+    same run (named), the float32 baselines in a column of their own."""
+    rows = []
+    for (sweep, _, mode), recs in _groups(data["records"]).items():
+        ok = [r for r in recs if r["status"] == "ok"]
+        ours = min((r for r in ok if r["kind"] == "streamkl"), key=lambda r: r["ms"], default=None)
+        if ours is None or (sweeps and sweep not in sweeps):
+            continue
+        base = min((r for r in ok if r["kind"] == "baseline"), key=lambda r: r["ms"], default=None)
+        tried = sorted({time_cell(r) for r in recs if r["kind"] == "baseline" and r["status"] != "n/a"})
+        named = base["provider"] if base else f"none ran ({', '.join(tried)})" if tried else "—"
+        exact = ", ".join(f"{r['provider']} {time_cell(r)}" for r in recs if r["kind"] == "exact")
+        rows.append(
+            [
+                sweep,
+                case_name(ours["case"]),
+                mode,
+                ours["provider"].removeprefix("streamkl-"),
+                fmt_ms(ours["ms"]),
+                error_cell(ours),
+                named,
+                fmt_ms(base["ms"]) if base else "—",
+                error_cell(base),
+                f"{base['ms'] / ours['ms']:.2f}x" if base else "—",
+                exact or "—",
+            ]
+        )
+    header = ["sweep", "case", "mode", "streamkl", "ms", "error", "fastest baseline", "ms", "error"]
+    return table([*header, "speed-up", "fp32 baselines, ms (exact, not competitors)"], rows)
+
+
+def _environment(data: dict) -> str:
+    rows = []
+    for i, run in enumerate(data["runs"]):
+        env, gemm = run["environment"], run.get("gemm") or {}
+        commit = (env.get("commit") or "unknown")[:12] + (" (dirty)" if env.get("dirty") else "")
+        yard = (
+            " / ".join(f"{g['tflops']:.0f}" for g in (gemm.get("start"), gemm.get("end")) if g)
+            or "— (CUDA only)"
+        )
+        versions = f"torch {env['torch']}, triton {env.get('triton')}, CUDA {env.get('cuda')}"
+        rows.append([i, env["date"], f"`{commit}`", f"`{' '.join(env['argv'])}`", versions, yard])
+    device = data["runs"][0]["environment"]["device"]
+    return f"Device: {device}.\n\n" + table(
+        ["run", "date", "commit", "command", "software", "bf16 GEMM TFLOP/s, start / end"], rows
+    )
+
+
+def _sweep_row(data: dict, r: dict) -> list[str]:
+    ok, gemm = r["status"] == "ok", gemm_tflops(data, r)
+    mem = r.get("mem_bytes") if ok else None
+    return [
+        case_name(r["case"]),
+        r["provider"],
+        time_cell(r),
+        f"{r['tflops']:.3g}" if ok else "—",
+        f"{100 * r['tflops'] / gemm:.0f}%" if ok and gemm else "—",
+        "—" if mem is None else f"{mem / 2**20:,.1f}",
+        error_cell(r),
+        f"{r['first_call_s']:.2f}" if ok else "—",
+    ]
+
+
+def markdown(data: dict) -> str:
+    providers, sweeps = {}, {}
+    for run in data["runs"]:
+        providers.update(run["config"]["providers"])
+        sweeps.update(run["config"]["sweeps"])
+    kinds = {r["provider"]: r["kind"] for r in data["records"]}
+    parts = [f"# streamkl benchmarks: {data['runs'][0]['environment']['device']}\n", _environment(data)]
+    parts.append(
+        "## Providers\n\nTFLOP/s count the useful GEMM work of the case (`benchmarks/providers.py`, "
+        "`attn_kl_flops`), whatever a provider computes; % of GEMM is against the run's bf16 GEMM "
+        "at its start. Errors are against float64 on the last query rows (KL: max over rows of "
+        "|kl - ref| / max(1, |ref|); dq2 on those rows and dk2: relative norm error). Peak extra "
+        "memory (CUDA only) counts what one call allocates beyond what was allocated before it, "
+        "its outputs included; the first call (compilation, autotuning) is never timed.\n\n"
+        + table(["provider", "kind", "what"], [[n, kinds.get(n, ""), w] for n, w in providers.items()])
+    )
+    parts.append(
+        "## Headline\n\nstreamkl's fastest backend against the fastest non-fp32 baseline measured "
+        "in the same run for the same case; errors KL / dq2 / dk2.\n\n" + headline(data)
+    )
+    measured = [r for r in data["records"] if r["status"] != "n/a"]
+    header = ["case", "provider", "ms", "TFLOP/s", "% of GEMM", "peak extra MiB", "error", "first call s"]
+    for sweep, what in sweeps.items():
+        first = next((r["case"] for r in measured if r["sweep"] == sweep), None)
+        if first is not None:
+            parts.append(f"## Sweep `{sweep}`: {what} (B={first['b']}, H={first['h']}, D={first['d1']})\n")
+        for mode, title in MODE_TITLE.items():
+            rows = [_sweep_row(data, r) for r in measured if (r["sweep"], r["mode"]) == (sweep, mode)]
+            if rows:
+                parts.append(f"### {title}\n\n" + table(header, rows))
+    not_run = collections.Counter(
+        (r["provider"], r["reason"]) for r in data["records"] if r["status"] == "n/a"
+    )
+    if not_run:
+        rows = [[p, reason, n] for (p, reason), n in not_run.items()]
+        parts.append("## Not run\n\n" + table(["provider", "why", "measurements"], rows))
+    failed = [r for r in data["records"] if r["status"] == "error"]
+    if failed:
+        rows = [
+            [r["sweep"], case_name(r["case"]), r["provider"], r["mode"], r["reason"][:200]] for r in failed
+        ]
+        parts.append("## Errors\n\n" + table(["sweep", "case", "provider", "mode", "error"], rows))
+    return "\n".join(parts)
+
+
+# --------------------------------------------------------------------------------------- plots
+def plots(data: dict, out: Path) -> list[Path]:
+    """TFLOP/s and time against N (the n sweep, a panel per mode and mask), error against time."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n_recs = [r for r in data["records"] if r["sweep"] == "n"]
+    modes = sorted({r["mode"] for r in n_recs})
+    masks = sorted({(r["case"]["causal"], r["case"]["dtype"]) for r in n_recs})
+    gemms = [g["tflops"] for run in data["runs"] if (g := (run.get("gemm") or {}).get("start"))]
+    written = []
+    for name, quantity in (("tflops_vs_n.png", "tflops"), ("time_vs_n.png", "ms")) if n_recs else ():
+        fig, axes = plt.subplots(
+            len(modes), len(masks), figsize=(4.6 * len(masks), 3.8 * len(modes)), squeeze=False
+        )
+        for (i, mode), (j, (causal, dtype)) in itertools.product(enumerate(modes), enumerate(masks)):
+            key = (mode, causal, dtype)
+            recs = [r for r in n_recs if (r["mode"], r["case"]["causal"], r["case"]["dtype"]) == key]
+            _panel(axes[i][j], recs, quantity, gemms)
+            axes[i][j].set_title(f"{mode}, {'causal' if causal else 'full'}, {SHORT_DTYPE.get(dtype, dtype)}")
+        written.append(_save(fig, plt, out / name))
+    fwd = [r for r in data["records"] if (r["mode"], r["status"]) == ("fwd", "ok") and "kl" in r["error"]]
+    fig, ax = plt.subplots(figsize=(6, 4.2))
+    for prov in dict.fromkeys(r["provider"] for r in fwd):
+        pts = [(r["ms"], max(r["error"]["kl"], 1e-17)) for r in fwd if r["provider"] == prov]
+        ax.scatter(*zip(*pts), s=12, color=COLORS.get(prov), label=prov)
+    ax.set(xscale="log", yscale="log", xlabel="forward ms", ylabel="KL error against float64")
+    ax.set_title("forward: error against time, every sweep", fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=6)
+    written.append(_save(fig, plt, out / "error_vs_time.png"))
+    return written
+
+
+def _panel(ax, recs: list[dict], quantity: str, gemms: list[float]) -> None:
+    """A line per provider; for time, out-of-memory cases as crosses on the upper edge (log
+    axes); for TFLOP/s, the GEMM yardstick of each run."""
+    for prov in dict.fromkeys(r["provider"] for r in recs):
+        mine = [r for r in recs if r["provider"] == prov]
+        pts = sorted((r["case"]["nq"], r[quantity]) for r in mine if r["status"] == "ok")
+        style = dict(color=COLORS.get(prov), ls="--" if prov == "attention-cudnn" else "-")
+        if pts:
+            ax.plot(*zip(*pts), marker="o", ms=3, label=prov, **style)
+        ooms = [r["case"]["nq"] for r in mine if r["status"] == "oom"]
+        if ooms and quantity == "ms":
+            ax.plot(ooms, [0.95] * len(ooms), "x", color=style["color"], transform=ax.get_xaxis_transform())
+    if quantity == "ms":
+        ax.set_yscale("log")
+        if any(r["status"] == "oom" for r in recs):
+            ax.plot([], [], "x", color="gray", label="out of memory")
+    for i, tflops in enumerate(gemms if quantity == "tflops" else ()):
+        ax.axhline(tflops, color="gray", ls=":", label=None if i else "bf16 GEMM")
+    ax.set_xscale("log", base=2)
+    ax.set(xlabel="N = Nq = Nk", ylabel="TFLOP/s" if quantity == "tflops" else "ms")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=6)
+
+
+def _save(fig, plt, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def render(data: dict, out, with_plots: bool = True) -> list[Path]:
+    """results.md (and the PNGs) into `out`; the paths written."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.md").write_text(markdown(data))
+    return [out / "results.md", *(plots(data, out) if with_plots else [])]
+
+
+# -------------------------------------------------------------------------------------- README
+def readme_block(path: str, sweeps: str | None, data: dict) -> str:
+    start = f"<!-- bench:headline:start {path}" + (f" sweeps={sweeps}" if sweeps else "") + " -->"
+    return f"{start}\n{headline(data, sweeps.split(',') if sweeps else None)}<!-- bench:headline:end -->"
+
+
+def update_readme(readme: Path, json_path: Path, sweeps: str | None = None) -> None:
+    """Rewrite README's headline block from json_path (the block naming it, or the only one)."""
+    text = readme.read_text()
+    path = Path(os.path.relpath(json_path, readme.parent)).as_posix()
+    blocks = list(README_BLOCK.finditer(text))
+    named = [b for b in blocks if b["path"] == path] or (blocks if len(blocks) == 1 else [])
+    if len(named) != 1:
+        raise SystemExit(
+            f"{readme}: expected one '<!-- bench:headline:start ... -->' ... '<!-- bench:headline:end -->' "
+            f"block (naming {path}), found {len(blocks)}"
+        )
+    block = named[0]
+    new = readme_block(path, sweeps or block["sweeps"], load(json_path))
+    readme.write_text(text[: block.start()] + new + text[block.end() :])
+
+
+def stale_readme_blocks(readme: Path) -> list[str]:
+    """The JSON paths of README's headline blocks that differ from what their JSON generates."""
+    text = readme.read_text()
+    return [
+        b["path"]
+        for b in README_BLOCK.finditer(text)
+        if b[0] != readme_block(b["path"], b["sweeps"], load(readme.parent / b["path"]))
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python benchmarks/report.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("json", nargs="+", help="results.json of benchmarks/bench.py; several are merged")
+    p.add_argument("--out", help="folder for results.md and the PNGs (default: the JSON's folder)")
+    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--readme", help="rewrite this README's headline block from the JSON instead")
+    p.add_argument("--sweeps", help="with --readme: the sweeps the headline shows, e.g. n,decode")
+    args = p.parse_args(argv)
+    paths = [Path(j) for j in args.json]
+    if args.readme:
+        if len(paths) != 1:
+            p.error("--readme takes one JSON (merge runs into one first)")
+        update_readme(Path(args.readme), paths[0], args.sweeps)
+        return 0
+    if len(paths) > 1 and not args.out:
+        p.error("merging runs needs --out, the folder of the merged results.json")
+    data = merge([load(path) for path in paths])
+    out = Path(args.out) if args.out else paths[0].parent
+    if len(paths) > 1:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "results.json").write_text(json.dumps(data, indent=1))
+    for path in render(data, out, with_plots=not args.no_plots):
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
