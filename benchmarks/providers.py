@@ -26,7 +26,6 @@ from benchmarks import sdpa_trick
 from streamkl.testing import dense_attn_kl, visible_mask
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-SHORT_DTYPE = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 # The reference backend is the slow oracle: on a GPU it runs problems up to this many visible pairs
 # (N = 8K at 32 heads, non-causal).
 REFERENCE_MAX_PAIRS_CUDA = 2**31
@@ -85,10 +84,11 @@ def visible_pairs(nq: int, nk: int, causal: bool) -> int:
 
 def attn_kl_flops(case: Case, mode: str) -> int:
     """The one FLOP count behind every TFLOP/s and "% of GEMM": GEMM work only (exponentials,
-    masks and reductions are free, as in flash-attention's benchmarks), over the visible pairs.
+    masks and reductions are free, as in flash-attention's benchmarks), over the visible pairs:
+    pairs = B * H * visible_pairs(Nq, Nk, causal).
 
         fwd   = S1 = q1 k1^T and S2 = q2 k2^T       = 2 * pairs * (D1 + D2)
-                (= 4 * B * H * pairs * D when D1 = D2 = D)
+                (= 4 * B * H * visible_pairs * D when D1 = D2 = D)
         train = fwd + the teacher-fixed backward's four GEMMs: S1 and S2 recomputed,
                 dq2 = dS2 k2 and dk2 = dS2^T q2     = fwd + 2 * pairs * (D1 + D2) + 4 * pairs * D2
                 (= 3 * fwd when D1 = D2)
@@ -230,8 +230,8 @@ def _sdpa_trick(backend: str) -> Provider:
         return step
 
     what = (
-        f"KL from three {backend} attention forwards, train: `benchmarks/sdpa_trick.student_grads` "
-        "(attention outputs and two value-gradients)"
+        f"KL from three {backend} attention forwards; train: then `sdpa_trick.student_grads` (two "
+        "attention outputs again and two value-gradients, unshared: an upper bound)"
     )
     why_not = lambda case, inputs: sdpa_trick.unsupported(*inputs, case.causal, backend)
     return Provider(f"sdpa-trick-{backend}", "baseline", what, fwd, train, why_not)
