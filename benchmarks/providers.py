@@ -223,15 +223,11 @@ def _sdpa_trick(backend: str) -> Provider:
         return lambda q1, k1, q2, k2: sdpa_trick.kl(q1, k1, q2, k2, **kw(case))
 
     def train(case):
-        def step(q1, k1, q2, k2, g):
-            kl = sdpa_trick.kl(q1, k1, q2, k2, **kw(case))
-            return (kl, *sdpa_trick.student_grads(q1, k1, q2, k2, g, **kw(case)))
-
-        return step
+        return lambda q1, k1, q2, k2, g: sdpa_trick.train(q1, k1, q2, k2, g, **kw(case))
 
     what = (
-        f"KL from three {backend} attention forwards; train: then `sdpa_trick.student_grads` (two "
-        "attention outputs again and two value-gradients, unshared: an upper bound)"
+        f"KL from three {backend} attention forwards; train: the same three forwards, then the two "
+        "value-gradients of O12 and O22 in one autograd call (sdpa_trick.train)"
     )
     why_not = lambda case, inputs: sdpa_trick.unsupported(*inputs, case.causal, backend)
     return Provider(f"sdpa-trick-{backend}", "baseline", what, fwd, train, why_not)

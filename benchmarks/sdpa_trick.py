@@ -12,9 +12,11 @@ value-gradients too:
     dq2 = s2 g (O22 - O12),   O22 = attn(q2, k2, V=k2)
     dk2 = s2 (dV of attn(q2, k2, .) - dV of attn(q1, k1, .)),  both with dO = g q2
 
-Each call is an aten attention op that returns the log-sum-exp: flash (on CUDA, or its CPU
-kernel) or cuDNN. Its limits are the ops': causal is top-left aligned (so Nq must equal Nk),
-GQA repeats the key heads, and flash needs the value head dim equal to the query's (D1 == D2).
+`train` does a training step with that work shared: three forwards and the two value-gradients
+in one autograd call. Each call is an aten attention op that returns the log-sum-exp: flash (on
+CUDA, or its CPU kernel) or cuDNN. Its limits are the ops': causal is top-left aligned (so Nq
+must equal Nk), GQA repeats the key heads, and flash needs the value head dim equal to the
+query's (D1 == D2).
 """
 
 from __future__ import annotations
@@ -68,6 +70,27 @@ def kl(q1, k1, q2, k2, *, causal: bool, scale1: float, scale2: float, backend: s
     e1 = scale1 * (q1.float() * o11.float()).sum(-1)
     e2 = scale2 * (q2.float() * o12.float()).sum(-1)
     return e1 - e2 - lse1 + lse2
+
+
+def train(q1, k1, q2, k2, g, *, causal: bool, scale1: float, scale2: float, backend: str):
+    """(kl, dq2, dk2) of one training step, sharing the work: three attention forwards (O12 and
+    O22 with the value requiring grad) and the two value-gradients from one autograd call."""
+    hk2 = k2.shape[1]
+    k1r, k2r = _heads(q1, k1).detach(), _heads(q2, k2).detach()
+    q1, q2 = q1.detach(), q2.detach()
+    v12, v22 = k2r.clone().requires_grad_(), k2r.clone().requires_grad_()
+    o11, lse1 = attention(q1, k1r, k1r, causal, scale1, backend)
+    o12, _ = attention(q1, k1r, v12, causal, scale1, backend)
+    o22, lse2 = attention(q2, k2r, v22, causal, scale2, backend)
+    kl = scale1 * (q1.float() * o11.float()).sum(-1) - scale2 * (q2.float() * o12.float()).sum(-1)
+    kl = kl - lse1 + lse2
+    dq2 = (scale2 * g[..., None] * (o22.float() - o12.float())).to(q2.dtype)
+    d_out = g[..., None].to(q2.dtype) * q2
+    dv22, dv12 = torch.autograd.grad((o22, o12), (v22, v12), (d_out, d_out))
+    dk2 = scale2 * (dv22.float() - dv12.float())
+    if dk2.shape[1] != hk2:  # repeated heads: their gradients add up on the shared key head
+        dk2 = dk2.reshape(dk2.shape[0], hk2, -1, *dk2.shape[2:]).sum(2)
+    return kl.detach(), dq2, dk2.to(k2.dtype)
 
 
 def _value_grad(q, k, v, d_out, causal: bool, scale: float, backend: str):

@@ -24,7 +24,14 @@ def test_kl_and_student_gradients(causal, heads):
     expected = Expected(inputs, causal=causal, scale1=s1, scale2=s2, grad=g.double())
     err = (kl.double() - expected.kl).abs().max().item()
     assert err <= 1e-4, err  # fp32 attention kernels: the cancellation of four O(|S|) terms
-    for got, ref in ((dq2, expected.grads[2]), (dk2, expected.grads[3])):
+    kl_step, dq2_step, dk2_step = sdpa_trick.train(*inputs, g, **kw)
+    torch.testing.assert_close(kl_step, kl)
+    for got, ref in (
+        (dq2, expected.grads[2]),
+        (dk2, expected.grads[3]),
+        (dq2_step, expected.grads[2]),
+        (dk2_step, expected.grads[3]),
+    ):
         assert got.shape == ref.shape
         assert ((got.double() - ref).norm() / ref.norm()).item() <= 1e-4
 
