@@ -1,0 +1,515 @@
+"""Context parallelism (streamkl.distributed, docs/distributed.md) on gloo CPU process groups of
+2, 3 and 4 ranks: the forward and all four gradients of every rank's shard against the
+single-process op on the full sequence, both layouts and both communication forms, causal and
+not, GQA, D1 != D2, reductions, subgroups, a group of one rank, torch.compile, and bad input
+raising the same error on every rank.
+
+Each world size is spawned once: its processes run every case of that size in turn and report
+each outcome through a queue, so one test per case reads its outcome. Every spawn has a deadline,
+so a deadlock fails the tests instead of hanging CI.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import os
+import queue as queue_module
+import time
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import streamkl
+from streamkl import _dispatch
+from streamkl import distributed as cp
+from streamkl.testing import make_inputs
+
+from .tolerance import Expected
+
+DEADLINE_S = 120.0
+COLLECTIVE_TIMEOUT_S = 30.0
+
+# float64 on one CPU: the shards' blocks merge exactly up to rounding (docs/distributed.md, Merge),
+# measured at ~2e-15 of the largest value; 1e-10 leaves room for summation order and nothing else.
+RTOL_FLOAT64 = 1e-10
+RTOL_FLOAT32 = 1e-5
+
+
+# --- what the worker processes run ----------------------------------------------------------
+
+
+def _relative_error(got, want) -> float:
+    scale = want.abs().max().item() if want.numel() else 0.0
+    diff = (got.double() - want.double()).abs().max().item() if want.numel() else 0.0
+    return diff / scale if scale > 0 else diff
+
+
+def _assert_close(got, want, rtol, what):
+    assert got.shape == want.shape, (what, tuple(got.shape), tuple(want.shape))
+    err = _relative_error(got, want)
+    assert err <= rtol, f"{what}: relative error {err:.3e} > {rtol:.0e}"
+
+
+def _problem(world, *, hk1, hk2, dtype, seed, chunk=3, layout="bhnd"):
+    """Full-sequence inputs (identical on every rank) with N = 2 * world * chunk tokens, so both
+    layouts split it, and an upstream gradient for the rows."""
+    n = 2 * world * chunk
+    inputs = make_inputs(
+        b=2, h=4, nq=n, nk=n, d1=8, d2=6, hk1=hk1, hk2=hk2, dtype=dtype, seed=seed, layout=layout
+    )
+    upstream = torch.randn(2, 4, n, generator=torch.Generator().manual_seed(seed + 1), dtype=torch.float64)
+    return inputs, upstream
+
+
+def _single_process(inputs, upstream, needs, causal, reduction):
+    """The plain op on the full sequence: its result and the gradients of `needs`."""
+    leaves = [t.detach().clone().requires_grad_(need) for t, need in zip(inputs, needs)]
+    out = streamkl.attn_kl(*leaves, causal=causal, reduction=reduction, backend="reference")
+    wanted = [t for t in leaves if t.requires_grad]
+    grads = torch.autograd.grad(out, wanted, upstream.to(out.dtype) if reduction == "none" else None)
+    grads = iter(grads)
+    return out.detach(), [next(grads) if need else None for need in needs]
+
+
+def case_against_single(
+    rank,
+    world,
+    *,
+    layout,
+    comm,
+    causal,
+    hk1,
+    hk2,
+    reduction="none",
+    heads_per_step=None,
+    needs=(True, True, True, True),
+    dtype=torch.float64,
+    strides="bhnd",
+    subgroups=None,
+    seed=0,
+):
+    """Every rank's shard of the result and of each requested gradient equals the single-process
+    op's on the full sequence; a reduction gives the same value on every rank."""
+    group, group_world = None, world
+    if subgroups is not None:  # every rank creates every subgroup, in the same order
+        made = [dist.new_group(ranks) for ranks in subgroups]
+        mine = next(i for i, ranks in enumerate(subgroups) if rank in ranks)
+        group, group_world = made[mine], len(subgroups[mine])
+        seed += mine
+    inputs, upstream = _problem(group_world, hk1=hk1, hk2=hk2, dtype=dtype, seed=seed, layout=strides)
+    want, want_grads = _single_process(inputs, upstream, needs, causal, reduction)
+    local = [cp.shard(t, layout, group).detach().requires_grad_(need) for t, need in zip(inputs, needs)]
+    got = cp.attn_kl(
+        *local,
+        group=group,
+        causal=causal,
+        layout=layout,
+        comm=comm,
+        reduction=reduction,
+        heads_per_step=heads_per_step,
+        backend="reference",
+    )
+    # every collective runs before any check, so a failing check leaves no rank waiting
+    if reduction == "none":
+        got.backward(cp.shard(upstream, layout, group).to(got.dtype))
+        want = cp.shard(want, layout, group)
+    else:
+        got.backward()
+        values = [None] * group_world
+        dist.all_gather_object(values, got.item(), group=group)
+        assert len(set(values)) == 1, f"{reduction} differs across ranks: {values}"
+    rtol = RTOL_FLOAT64 if dtype == torch.float64 else RTOL_FLOAT32
+    _assert_close(got, want, rtol, f"kl ({reduction})")
+    for name, t, want_grad in zip(("dq1", "dk1", "dq2", "dk2"), local, want_grads):
+        if want_grad is None:
+            assert t.grad is None, f"{name} was not requested"
+            continue
+        assert t.grad.dtype == t.dtype, (name, t.grad.dtype)
+        _assert_close(t.grad, cp.shard(want_grad, layout, group), rtol, name)
+
+
+def case_accuracy_rule(rank, world, *, dtype, comm, layout, causal, backend="reference"):
+    """16-bit and float32 shards held to the project's rule against the float64 oracle
+    (tests/tolerance.py, docs/contract.md, Numerics), on the unsharded result and gradients."""
+    inputs = make_inputs(
+        b=1, h=4, nq=8 * world, nk=8 * world, d1=16, d2=32, hk1=2, hk2=1, dtype=dtype, seed=5
+    )
+    upstream = torch.randn(1, 4, 8 * world, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    expected = Expected(inputs, causal=causal, grad=upstream)
+    local = [cp.shard(t, layout).requires_grad_() for t in inputs]
+    kl = cp.attn_kl(*local, causal=causal, layout=layout, comm=comm, backend=backend)
+    kl.backward(cp.shard(upstream, layout).to(kl.dtype))
+    full_kl = cp.unshard(kl, layout)
+    full_grads = [cp.unshard(t.grad, layout) for t in local]
+    expected.check_kl(full_kl)
+    expected.check_grads(full_grads, inputs)
+
+
+def case_group_of_one(rank, world, *, layout, comm, causal):
+    """A group of one rank is the plain op on the local (full) sequence, bit for bit."""
+    groups = [dist.new_group([r]) for r in range(world)]
+    inputs, upstream = _problem(1, hk1=2, hk2=1, dtype=torch.float64, seed=10 + rank)
+    want, want_grads = _single_process(inputs, upstream, (True,) * 4, causal, "none")
+    local = [t.detach().clone().requires_grad_() for t in inputs]
+    got = cp.attn_kl(*local, group=groups[rank], causal=causal, layout=layout, comm=comm, backend="reference")
+    got.backward(upstream)
+    assert torch.equal(got, want)
+    for t, want_grad in zip(local, want_grads):
+        assert torch.equal(t.grad, want_grad)
+
+
+def case_empty_shards(rank, world, *, comm):
+    """Shards of length 0: an empty result, zero gradients, a mean of 0."""
+    local = [t.requires_grad_() for t in make_inputs(h=4, nq=0, nk=0, d1=8, d2=6, hk1=2, dtype=torch.float64)]
+    got = cp.attn_kl(*local, causal=True, comm=comm, reduction="mean")
+    got.backward()
+    assert got.item() == 0.0
+    assert all(t.grad is not None and t.grad.shape == t.shape for t in local)
+
+
+def case_shard_round_trip(rank, world, *, layout):
+    x = torch.arange(2 * 3 * 4 * world * 5, dtype=torch.float32).reshape(2, 3, 4 * world, 5)
+    local = cp.shard(x, layout)
+    assert local.shape == (2, 3, 4, 5)
+    assert torch.equal(cp.unshard(local, layout), x)
+    assert torch.equal(cp.unshard(cp.shard(x.mT, layout, dim=3), layout, dim=-1), x.mT)
+    if layout == "zigzag":  # rank r holds chunks r and 2P-1-r of 2P
+        chunks = x.chunk(2 * world, dim=2)
+        assert torch.equal(local, torch.cat([chunks[rank], chunks[2 * world - 1 - rank]], 2))
+
+
+def case_compiled(rank, world, *, comm, compiler):
+    """torch.compile(fullgraph=True) traces a loss that calls attn_kl; compiled and eager agree.
+    The cross-rank checks run inside the op at run time: shards of unequal length raise on every
+    rank."""
+    torch._dynamo.reset()
+    inputs, _ = _problem(world, hk1=2, hk2=4, dtype=torch.float64, seed=3)
+    local = [cp.shard(t, "zigzag").requires_grad_() for t in inputs]
+
+    def loss(q1, k1, q2, k2):
+        kl = cp.attn_kl(q1, k1, q2 * 1.5, k2, causal=True, comm=comm, reduction="mean", backend="reference")
+        return kl * 2.0
+
+    compiled = torch.compile(loss, fullgraph=True, backend=compiler)
+    got = compiled(*local)
+    got.backward()
+    got_grads = [t.grad for t in local]
+    for t in local:
+        t.grad = None
+    want = loss(*local)
+    want.backward()
+    uneven = [t.detach()[:, :, : 4 if rank == 0 else 6] for t in local]
+    with _raises(ValueError, "local sequence length differs across ranks"):
+        compiled(*uneven)
+    _assert_close(got, want, RTOL_FLOAT64, "compiled loss")
+    for g, t in zip(got_grads, local):
+        _assert_close(g, t.grad, RTOL_FLOAT64, "compiled grad")
+
+
+def _good_shards(world, n_local=6):
+    return make_inputs(b=1, h=4, nq=n_local, nk=n_local, d1=8, d2=6, hk1=2, dtype=torch.float64, seed=1)
+
+
+# Bad input: (what one or every rank passes, the expected error type, a fragment of its message).
+# Every rank must raise, before any data moves, and the group must stay usable afterwards.
+BAD_INPUTS = {
+    "unequal_lengths": (ValueError, "local sequence length differs across ranks"),
+    "odd_zigzag_length": (ValueError, "not a multiple of 2"),
+    "head_dim_differs": (ValueError, "q1 shape differs across ranks"),
+    "dtype_differs": (ValueError, "dtypes differs across ranks"),
+    "causal_differs": (ValueError, "causal differs across ranks"),
+    "requires_grad_differs": (ValueError, "requires_grad differs across ranks"),
+    "unknown_layout": (ValueError, "layout must be one of"),
+    "layout_not_str": (TypeError, "layout must be a str"),
+    "unknown_comm_on_one_rank": (ValueError, "comm must be one of"),
+    "cu_seqlens": (ValueError, "packed sequences are not supported with context parallelism"),
+    "mixed_devices_on_one_rank": (ValueError, "must be on one device"),
+    "device_type_differs": (ValueError, "device type differs across ranks"),
+    "queries_and_keys_differ": (ValueError, "same token range of queries and keys"),
+    "bad_heads_per_step": (ValueError, "heads_per_step must be a positive multiple of 2"),
+    "unknown_backend": (ValueError, "is not a backend"),
+    "unknown_reduction": (ValueError, "reduction must be one of"),
+}
+
+
+def case_bad_input(rank, world, *, which):
+    kind, fragment = BAD_INPUTS[which]
+    q1, k1, q2, k2 = _good_shards(world)
+    kw = {"causal": True, "backend": "reference"}
+    if which == "unequal_lengths":
+        q1, k1, q2, k2 = _good_shards(world, n_local=6 if rank == 0 else 4)
+    elif which == "odd_zigzag_length":
+        q1, k1, q2, k2 = _good_shards(world, n_local=5)
+    elif which == "head_dim_differs" and rank == world - 1:
+        q1, k1 = q1[..., :4], k1[..., :4]
+    elif which == "dtype_differs" and rank == 0:
+        q2, k2 = q2.float(), k2.float()
+    elif which == "causal_differs":
+        kw["causal"] = rank == 0
+    elif which == "requires_grad_differs" and rank == 1:
+        q2 = q2.requires_grad_()
+    elif which == "unknown_layout":
+        kw["layout"] = "striped"
+    elif which == "layout_not_str":
+        kw["layout"] = 2
+    elif which == "unknown_comm_on_one_rank" and rank == world - 1:
+        kw["comm"] = "all_to_all"
+    elif which == "cu_seqlens":
+        kw["cu_seqlens"] = torch.tensor([0, 6], dtype=torch.int32)
+    elif which == "mixed_devices_on_one_rank" and rank == 0:
+        k2 = k2.to("meta")
+    elif which == "device_type_differs" and rank == 0:
+        q1, k1, q2, k2 = (t.to("meta") for t in (q1, k1, q2, k2))
+    elif which == "queries_and_keys_differ":
+        k1, k2 = k1[:, :, :4], k2[:, :, :4]
+    elif which == "bad_heads_per_step":
+        kw["heads_per_step"] = 3
+    elif which == "unknown_backend":
+        kw["backend"] = "fastest"
+    elif which == "unknown_reduction":
+        kw["reduction"] = "max"
+    with _raises(kind, fragment):
+        cp.attn_kl(q1, k1, q2, k2, **kw)
+    # nothing was left in flight: the group still works
+    ok = cp.attn_kl(*_good_shards(world), causal=True, reduction="sum", backend="reference")
+    assert math.isfinite(ok.item())
+
+
+def case_unshard_mismatch(rank, world):
+    x = torch.zeros(1, 2, 4 if rank == 0 else 6, 3)
+    with _raises(ValueError, "shape differs across ranks"):
+        cp.unshard(x, "zigzag")
+
+
+def case_shard_indivisible(rank, world):
+    with _raises(ValueError, f"not a multiple of {2 * world}"):
+        cp.shard(torch.zeros(1, 2, 2 * world + 1, 3), "zigzag")
+
+
+class _raises:
+    """pytest.raises for the worker processes (which report through the queue)."""
+
+    def __init__(self, kind, fragment):
+        self.kind, self.fragment = kind, fragment
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        assert exc_type is not None, (
+            f"expected {self.kind.__name__} matching {self.fragment!r}, nothing raised"
+        )
+        assert issubclass(exc_type, self.kind), (
+            f"expected {self.kind.__name__}, got {exc_type.__name__}: {exc}"
+        )
+        assert self.fragment in str(exc), f"{self.fragment!r} not in {str(exc)!r}"
+        return True
+
+
+def _worker(rank, world, init_file, cases, results):
+    """Runs `cases` in order and reports each outcome, then ("<done>", rank, error or None) once
+    its group is destroyed."""
+    try:
+        torch.set_num_threads(1)  # up to 4 processes share the CI machine's cores
+        # a collective that waits longer than this raises instead of hanging (a deadlock fails
+        # one case, not the whole world size); the spawn's deadline is the last resort
+        timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+        dist.init_process_group(
+            "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timeout
+        )
+        for name, function, kwargs in cases:
+            try:
+                globals()[function](rank, world, **kwargs)
+                results.put((name, rank, None))
+            except Exception:
+                results.put((name, rank, traceback.format_exc()))
+            dist.barrier()  # the next case starts together on every rank
+        dist.destroy_process_group()
+        results.put(("<done>", rank, None))
+    except BaseException:
+        results.put(("<done>", rank, traceback.format_exc()))
+    finally:
+        results.close()
+        results.join_thread()
+    # Leave without the interpreter's teardown: once in a few dozen runs, after every case
+    # passed and the group was destroyed, a native thread aborted it (SIGABRT, "terminate called
+    # without an active exception"). Every outcome is reported by now.
+    os._exit(0)
+
+
+# --- the cases, by world size -----------------------------------------------------------------
+
+
+def _cases(world: int) -> list[tuple[str, str, dict]]:
+    cases = []
+    combos = [
+        (layout, comm, causal)
+        for layout in ("zigzag", "contiguous")
+        for comm in ("allgather", "ring")
+        for causal in (True, False)
+    ]
+    # GQA shapes, reductions, requested gradients and head steps rotate through the combos
+    gqa = [(2, 1), (4, 4), (1, 2)]
+    reductions = ["none", "sum", "mean"]
+    needs = [(True, True, True, True), (False, False, True, True), (True, False, False, True)]
+    for i, (layout, comm, causal) in enumerate(combos):
+        for j, (hk1, hk2) in enumerate(gqa[:2] if world != 3 else gqa):
+            k = i + j
+            kwargs = dict(
+                layout=layout,
+                comm=comm,
+                causal=causal,
+                hk1=hk1,
+                hk2=hk2,
+                reduction=reductions[k % 3],
+                needs=needs[(k + world) % 3],
+                heads_per_step=math.lcm(4 // hk1, 4 // hk2) if (k + world) % 2 else None,
+                strides="bnhd" if k % 4 == 1 else "bhnd",
+            )
+            cases.append(
+                (
+                    f"{layout}-{comm}-{'causal' if causal else 'full'}-hk{hk1}{hk2}",
+                    "case_against_single",
+                    kwargs,
+                )
+            )
+    for layout in ("zigzag", "contiguous"):
+        cases.append((f"shard-round-trip-{layout}", "case_shard_round_trip", dict(layout=layout)))
+    for which in BAD_INPUTS:
+        cases.append((f"bad-{which}", "case_bad_input", dict(which=which)))
+    cases.append(("bad-unshard-mismatch", "case_unshard_mismatch", {}))
+    cases.append(("bad-shard-indivisible", "case_shard_indivisible", {}))
+    if world == 2:
+        for comm in ("allgather", "ring"):
+            cases.append(
+                (f"group-of-one-{comm}", "case_group_of_one", dict(layout="zigzag", comm=comm, causal=True))
+            )
+            cases.append((f"empty-shards-{comm}", "case_empty_shards", dict(comm=comm)))
+            compiler = "inductor" if comm == "ring" else "aot_eager"
+            cases.append((f"compiled-{comm}-{compiler}", "case_compiled", dict(comm=comm, compiler=compiler)))
+            cases.append(
+                (
+                    f"float32-{comm}",
+                    "case_against_single",
+                    dict(layout="zigzag", comm=comm, causal=True, hk1=2, hk2=1, dtype=torch.float32),
+                )
+            )
+        if TRITON_ON_CPU:  # any backend runs the blocks: triton too, under its interpreter
+            for comm in ("allgather", "ring"):
+                kwargs = dict(dtype=torch.float32, comm=comm, layout="zigzag", causal=True, backend="triton")
+                cases.append((f"rule-triton-float32-{comm}", "case_accuracy_rule", kwargs))
+        cases.append(
+            (
+                "group-of-one-contiguous-full",
+                "case_group_of_one",
+                dict(layout="contiguous", comm="ring", causal=False),
+            )
+        )
+    for dtype in (torch.bfloat16, torch.float32):
+        for comm in ("allgather", "ring"):
+            kwargs = dict(dtype=dtype, comm=comm, layout="zigzag", causal=True)
+            cases.append((f"rule-{str(dtype)[6:]}-{comm}", "case_accuracy_rule", kwargs))
+    if world == 4:  # two groups of two, interleaved: ranks of a subgroup are not global ranks
+        for comm in ("allgather", "ring"):
+            kwargs = dict(layout="zigzag", comm=comm, causal=True, hk1=2, hk2=1, subgroups=[[0, 2], [1, 3]])
+            cases.append((f"subgroups-{comm}", "case_against_single", kwargs))
+    return cases
+
+
+# tests/conftest.py sets TRITON_INTERPRET=1 without a GPU; the spawned processes inherit it
+TRITON_ON_CPU = _dispatch.why_not("triton", *make_inputs(h=2, nq=4, nk=4, d1=16, d2=16)) is None
+WORLDS = (2, 3, 4)
+CASES = [(world, name) for world in WORLDS for name, _, _ in _cases(world)]
+
+
+def _run_world(world: int, tmp_dir: str) -> dict:
+    """Spawns `world` processes running every case of that size; {(case, rank): error or None}.
+    Cases a process did not report by the deadline (a deadlock, a crash) come back as errors."""
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    cases = _cases(world)
+    init_file = os.path.join(tmp_dir, f"init-{world}")
+    processes = [
+        context.Process(target=_worker, args=(rank, world, init_file, cases, results))
+        for rank in range(world)
+    ]
+    for process in processes:
+        process.start()
+    outcomes = {}
+    deadline = time.monotonic() + DEADLINE_S
+    expected = (len(cases) + 1) * world
+    while len(outcomes) < expected and time.monotonic() < deadline:
+        if not any(p.is_alive() for p in processes) and results.empty():
+            break
+        try:
+            name, rank, error = results.get(timeout=0.5)
+        except queue_module.Empty:
+            continue
+        outcomes[(name, rank)] = error
+    for process in processes:
+        process.join(timeout=max(1.0, deadline - time.monotonic()))
+    hung = [p for p in processes if p.is_alive()]
+    for process in hung:
+        process.kill()
+        process.join()
+    for name in [name for name, _, _ in cases] + ["<done>"]:
+        for rank in range(world):
+            if (name, rank) not in outcomes:
+                why = "still running at the deadline (a deadlock?)" if hung else "its process exited"
+                outcomes[(name, rank)] = f"rank {rank} did not report: {why}"
+    exit_codes = [p.exitcode for p in processes]
+    if any(code != 0 for code in exit_codes):
+        outcomes[("<exit>", -1)] = f"exit codes {exit_codes}"
+    return outcomes
+
+
+@pytest.fixture(scope="module")
+def world_outcomes(tmp_path_factory):
+    cache = {}
+
+    def outcomes(world):
+        if world not in cache:
+            cache[world] = _run_world(world, str(tmp_path_factory.mktemp(f"world{world}")))
+        return cache[world]
+
+    return outcomes
+
+
+@pytest.mark.parametrize("world,name", CASES, ids=[f"{w}ranks-{n}" for w, n in CASES])
+def test_case(world_outcomes, world, name):
+    outcomes = world_outcomes(world)
+    errors = [
+        f"rank {rank}:\n{error}" for rank in range(world) if (error := outcomes[(name, rank)]) is not None
+    ]
+    assert not errors, "\n".join(errors)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_processes_finish(world_outcomes, world):
+    """Every process ran all its cases, destroyed its group and exited."""
+    outcomes = world_outcomes(world)
+    errors = [
+        f"rank {rank}:\n{error}" for rank in range(world) if (error := outcomes[("<done>", rank)]) is not None
+    ]
+    assert not errors, "\n".join(errors)
+    assert ("<exit>", -1) not in outcomes, outcomes.get(("<exit>", -1))
+
+
+def test_plan_causal_blocks():
+    """The calls that cover a zigzag rank's two chunks (docs/distributed.md, Causal): rank 1 of
+    4 holds chunks 1 and 6 of 8."""
+    plan = cp._plan
+    call = cp._Call
+    # its own shard: one causal call over both chunks (row i of chunk 6 sees chunk 1 whole)
+    assert plan((1, 6), (1, 6), 3, True) == [call(slice(0, 6), 6, True)]
+    # rank 0's shard (chunks 0, 7): both query chunks see chunk 0 whole, neither sees chunk 7
+    assert plan((1, 6), (0, 7), 3, True) == [call(slice(0, 6), 3, False)]
+    # rank 2's shard (chunks 2, 5): only chunk 6 sees it, whole
+    assert plan((1, 6), (2, 5), 3, True) == [call(slice(3, 6), 6, False)]
+    # the whole sequence (all-gather): chunk 1 against 0..1, chunk 6 against 0..6
+    assert plan((1, 6), tuple(range(8)), 3, True) == [call(slice(0, 3), 6, True), call(slice(3, 6), 21, True)]
+    assert plan((1, 6), tuple(range(8)), 3, False) == [call(slice(0, 6), 24, False)]
