@@ -21,7 +21,8 @@ from torch import Tensor
 from . import _checks, _dispatch, _env
 
 
-def _out_dtype(*tensors: Tensor) -> torch.dtype:
+def out_dtype(*tensors: Tensor) -> torch.dtype:
+    """The dtype of the statistics and the result: float64 when an input is, else float32."""
     return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
@@ -37,7 +38,7 @@ def _forward(module, q1, k1, q2, k2, causal, scale1, scale2, cu_seqlens, max_seq
         cu_seqlens=cu_seqlens,
         max_seqlen=max_seqlen,
     )
-    dtype = _out_dtype(q1, q2)
+    dtype = out_dtype(q1, q2)
     return kl.to(dtype), lse1.to(dtype), lse2.to(dtype)
 
 
@@ -90,7 +91,7 @@ def attn_kl_fwd(
 def _(q1, k1, q2, k2, causal, scale1, scale2, cu_seqlens=None, max_seqlen=None, backend=None):
     problem = _checks.check_inputs(q1, k1, q2, k2, cu_seqlens, max_seqlen)
     shape = (problem.batch, problem.heads, problem.nq)
-    dtype = _out_dtype(q1, q2)
+    dtype = out_dtype(q1, q2)
     return tuple(q1.new_empty(shape, dtype=dtype) for _ in range(3))
 
 

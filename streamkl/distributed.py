@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 # importing the package (streamkl/__init__.py) registers torch.ops.streamkl.attn_kl_fwd / attn_kl_bwd
-from . import _checks, _dispatch, _env
+from . import _checks, _dispatch, _env, _ops
 
 LAYOUTS = ("contiguous", "zigzag")
 COMMS = ("allgather", "ring")
@@ -339,10 +339,6 @@ def _head_steps(heads: int, heads_kv1: int, heads_kv2: int, per_step: int) -> li
     return steps
 
 
-def _accumulation_dtype(*tensors: Tensor) -> torch.dtype:
-    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
-
-
 def _merge_into(kl, lse1, lse2, part_kl, part_lse1, part_lse2) -> None:
     """In place: the state over the union of two disjoint key sets (docs/distributed.md, Merge).
 
@@ -500,7 +496,7 @@ def _key_blocks(
 
 def _forward(q1, k1, q2, k2, p: _Problem):
     b, h, n, _ = q1.shape
-    dtype = _accumulation_dtype(q1, q2)
+    dtype = _ops.out_dtype(q1, q2)
     kl = torch.zeros(b, h, n, dtype=dtype, device=q1.device)
     lse1 = torch.full_like(kl, -math.inf)
     lse2 = torch.full_like(kl, -math.inf)
@@ -553,7 +549,7 @@ def _backward(grad, q1, k1, q2, k2, kl, lse1, lse2, p: _Problem, needs):
     """(dq1, dk1, dq2, dk2) of this rank's inputs, accumulated in float32 (float64 for float64
     inputs): dq from this rank's rows only; dk summed over every rank's rows, by a reduce-scatter
     (all-gather) or a second ring one hop behind the keys (ring)."""
-    dtype = _accumulation_dtype(q1, q2)
+    dtype = _ops.out_dtype(q1, q2)
     inputs = (q1, k1, q2, k2)
     grads = [
         torch.zeros(t.shape, dtype=dtype, device=t.device) if need else None for t, need in zip(inputs, needs)
@@ -753,7 +749,7 @@ def _(
     reduction,
     verify,
 ):
-    dtype = _accumulation_dtype(q1, q2)
+    dtype = _ops.out_dtype(q1, q2)
     return tuple(q1.new_empty(q1.shape[:3], dtype=dtype) for _ in range(3))
 
 
