@@ -1,9 +1,9 @@
-"""Input factories, the dense formula and error budgets, shared by tests and benchmarks.
+"""Input factories, the dense formula and the CLI.s error budget, shared by tests and benchmarks.
 
 `dense_attn_kl` is the definition (docs/contract.md, Definition) written the way users write
 it: both Nq x Nk distributions materialized. It is the tests' oracle (in float64) and the
 benchmarks' PyTorch baseline; it shares no code with the chunked reference backend. The
-budgets here are the CLI's and the benchmarks' check; the tests hold backends to the tighter
+budget here is the CLI's check; the tests hold backends to the tighter
 rule of tests/tolerance.py.
 """
 
@@ -125,14 +125,9 @@ def rel_err(x: torch.Tensor, ref: torch.Tensor, chunk_elems: int = 1 << 24) -> f
 
 
 def kl_tolerance(dtype: torch.dtype) -> float:
-    """The check the CLI and the benchmarks print: per-row |kl - ref| <= tol * max(1, |ref|).
+    """The check the CLI prints: per-row |kl - ref| <= tol * max(1, |ref|).
     (The tests hold backends to a tighter, method-derived rule: tests/tolerance.py.)"""
     return {torch.float64: 1e-10, torch.float32: 1e-4}.get(dtype, 2e-3)
-
-
-def grad_tolerance(dtype: torch.dtype) -> float:
-    """The benchmarks' budget for the relative norm error of each gradient."""
-    return {torch.float64: 1e-8, torch.float32: 1e-3}.get(dtype, 2e-2)
 
 
 class _LiveBytes(torch.utils._python_dispatch.TorchDispatchMode):
