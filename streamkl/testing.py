@@ -1,4 +1,4 @@
-"""Input factories, the dense formula and the CLI.s error budget, shared by tests and benchmarks.
+"""Input factories, the dense formula and the CLI's error budget, shared by tests and benchmarks.
 
 `dense_attn_kl` is the definition (docs/contract.md, Definition) written the way users write
 it: both Nq x Nk distributions materialized. It is the tests' oracle (in float64) and the
