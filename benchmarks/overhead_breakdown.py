@@ -4,11 +4,19 @@ own cost for a trivial Function, on the backward's worker thread and on the call
 
     python benchmarks/overhead_breakdown.py     # B=1 H=1 N=128 D=64 causal; bf16 triton on CUDA,
                                                 # float32 triton-interpreter on CPU (a smoke run)
+    python benchmarks/overhead_breakdown.py --profile DIR   # also cProfile and torch.profiler
+                                                # tables of the rows on the calling thread
 
 Each row is the median per-call time of 200 back-to-back calls and one sync (benchmarks/overhead.py).
 """
 
 from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+from pathlib import Path
 
 import torch
 from overhead import _per_call_us  # benchmarks/ is on the path when run as a script
@@ -18,7 +26,42 @@ from streamkl import _dispatch
 from streamkl.testing import make_inputs
 
 
+def _profile(name, fn, dev, calls, out: Path):
+    """cProfile (Python, by own time) and torch.profiler (ops and CUDA API calls, by self CPU
+    time) of `calls` runs of fn on the calling thread; writes both, prints the heads."""
+    for _ in range(5):
+        fn()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    prof.disable()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(40)
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if dev.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as tp:
+        for _ in range(calls):
+            fn()
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+    table = tp.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)
+    slug = "".join(c if c.isalnum() else "_" for c in name.strip(" .")).strip("_")[:60]
+    (out / f"{slug}.cprofile.txt").write_text(text.getvalue())
+    (out / f"{slug}.torchprof.txt").write_text(table)
+    print(f"--- {name}: cProfile, {calls} calls")
+    print("\n".join(text.getvalue().splitlines()[:32]))
+    print(f"--- {name}: torch.profiler, {calls} calls")
+    print("\n".join(table.splitlines()[:28]), flush=True)
+
+
 def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--profile", type=Path, help="write cProfile and torch.profiler tables here")
+    args = p.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     x = make_inputs(h=1, nq=128, nk=128, d1=64, d2=64, dtype=dtype, device=dev)
@@ -73,7 +116,17 @@ def main():
     op = step(lambda: streamkl.attn_kl(q1, k1, q2, k2, causal=True, backend="triton"))
     wrapped = step(lambda: Wrapped.apply(q2, k2))
     trivial = step(lambda: Trivial.apply(q2))
+
+    def direct_fwd():
+        return backend.forward(q1, k1, q2, k2, **kw)
+
+    def wrapped_fwd():
+        with torch.no_grad():
+            return Wrapped.apply(q2, k2)
+
     rows = [
+        ("backend forward, called directly", direct_fwd),
+        ("the same inside a minimal autograd.Function", wrapped_fwd),
         ("backend forward + backward, called directly", direct),
         ("the same inside a minimal autograd.Function", wrapped),
         ("  ... with the backward on the calling thread", calling_thread(wrapped)),
@@ -85,6 +138,11 @@ def main():
     for name, fn in rows:
         calls = 200 if dev.type == "cuda" else 2
         print(f"{name:48s} {_per_call_us(fn, dev, calls, 5):8.1f} us", flush=True)
+    if args.profile:
+        args.profile.mkdir(parents=True, exist_ok=True)
+        for i, (name, fn) in enumerate(rows):
+            if name.startswith("  ") or name.startswith("backend"):
+                _profile(f"{i} {name}", fn, dev, 50 if dev.type == "cuda" else 2, args.profile)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,14 @@ def module(name: str):
     return importlib.import_module(BACKENDS[name])
 
 
+def backward_of(backend):
+    """The module whose `backward` serves `backend`'s forward: a backend whose own backward does
+    not exist yet names another in BACKWARD (its `supports` then admits only inputs that one
+    runs too, and its forward writes the statistics that one reads)."""
+    name = getattr(backend, "BACKWARD", None)
+    return backend if name is None else module(name)
+
+
 def why_not(name: str, q1, k1, q2, k2, cu_seqlens=None) -> str | None:
     """None when backend `name` can run these inputs, else the reason."""
     try:

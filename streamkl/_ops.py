@@ -46,7 +46,7 @@ def _backward(
     module, grad_kl, q1, k1, q2, k2, kl, lse1, lse2, causal, scale1, scale2, cu_seqlens, max_seqlen, needs
 ):
     grad_kl = grad_kl.to(torch.float64 if kl.dtype == torch.float64 else torch.float32).contiguous()
-    return module.backward(
+    return _dispatch.backward_of(module).backward(
         grad_kl,
         q1,
         k1,

@@ -96,6 +96,48 @@ def test_available_backends_reports_reasons():
     assert isinstance(table["cuda"], str) and isinstance(table["triton"], str)
 
 
+def test_a_forward_only_backend_borrows_the_named_backward(monkeypatch):
+    """A backend with BACKWARD = "<name>" runs its forward; the gradients come from that backend."""
+    from streamkl import _dispatch
+
+    reference = _dispatch.module("reference")
+    forwards, backwards = [], []
+
+    class ForwardOnly:
+        BACKWARD = "reference"
+
+        @staticmethod
+        def forward(*args, **kwargs):
+            forwards.append(1)
+            return reference.forward(*args, **kwargs)
+
+    monkeypatch.setattr(_dispatch, "select", lambda *args, **kwargs: ForwardOnly)
+    monkeypatch.setattr(reference, "backward", _counted(backwards, reference.backward))
+    inputs = make_inputs(h=2, nq=5, nk=7, dtype=torch.float64)
+    q1, k1 = inputs[0], inputs[1]
+    q2, k2 = (t.clone().requires_grad_() for t in inputs[2:])
+    expected = Expected(inputs, causal=True)
+    for compiled in (False, True):
+        fn = (
+            torch.compile(streamkl.attn_kl, fullgraph=True, backend="aot_eager")
+            if compiled
+            else streamkl.attn_kl
+        )
+        kl = fn(q1, k1, q2, k2, causal=True)
+        dq2, dk2 = torch.autograd.grad(kl, (q2, k2), expected.grad)
+        expected.check_kl(kl)
+        expected.check_grads((None, None, dq2, dk2), inputs, needs=(False, False, True, True))
+    assert len(forwards) == 2 and len(backwards) == 2
+
+
+def _counted(calls, fn):
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return fn(*args, **kwargs)
+
+    return counted
+
+
 # --- the op boundary ------------------------------------------------------------------------
 
 

@@ -15,6 +15,10 @@ dependency (triton, cuda-python) only inside them, so importing streamkl needs t
         gradient that is not needed is None, the others have their input's shape and dtype
         (contiguous).
 
+A backend whose backward does not exist yet sets `BACKWARD = "<name>"`: the op layer then runs
+that backend's `backward` on its forward's (kl, lse1, lse2), so `supports` must admit only
+inputs the named backend runs too.
+
 A new backend is such a package plus one line in streamkl._dispatch.BACKENDS; tests/test_backends.py
 then runs the whole contract (docs/contract.md) on it, on every device its `supports` accepts.
 
