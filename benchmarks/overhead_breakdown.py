@@ -16,6 +16,7 @@ import argparse
 import cProfile
 import io
 import pstats
+import time
 from pathlib import Path
 
 import torch
@@ -56,6 +57,44 @@ def _profile(name, fn, dev, calls, out: Path):
     print("\n".join(text.getvalue().splitlines()[:32]))
     print(f"--- {name}: torch.profiler, {calls} calls")
     print("\n".join(table.splitlines()[:28]), flush=True)
+
+
+def _probe(backend, dev, rows):
+    """The wall time spent inside the backend's forward and backward per step, for each row that
+    calls them: whether the same Python runs slower inside autograd than outside it."""
+    spent = {"forward": 0.0, "backward": 0.0}
+    originals = {name: getattr(backend, name) for name in spent}
+
+    def timed(name):
+        def call(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return originals[name](*args, **kwargs)
+            finally:
+                spent[name] += time.perf_counter() - start
+
+        return call
+
+    calls = 200 if dev.type == "cuda" else 2
+    try:
+        for name in spent:
+            setattr(backend, name, timed(name))
+        for name, fn in rows:
+            for _ in range(3):
+                fn()
+            for key in spent:
+                spent[key] = 0.0
+            total = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            total = (time.perf_counter() - total) / calls * 1e6
+            fwd, bwd = (spent[k] / calls * 1e6 for k in ("forward", "backward"))
+            print(f"{name:48s} step {total:7.1f} us: in forward {fwd:6.1f}, in backward {bwd:6.1f}")
+    finally:
+        for name, fn in originals.items():
+            setattr(backend, name, fn)
 
 
 def main():
@@ -138,6 +177,7 @@ def main():
     for name, fn in rows:
         calls = 200 if dev.type == "cuda" else 2
         print(f"{name:48s} {_per_call_us(fn, dev, calls, 5):8.1f} us", flush=True)
+    _probe(backend, dev, rows)
     if args.profile:
         args.profile.mkdir(parents=True, exist_ok=True)
         for i, (name, fn) in enumerate(rows):

@@ -183,24 +183,27 @@ attn_kl_fwd.register_autograd(_op_backward, setup_context=_setup_context)
 
 
 class _AttnKL(torch.autograd.Function):
-    """attn_kl_fwd / attn_kl_bwd without the dispatcher, for validated eager calls."""
+    """attn_kl_fwd / attn_kl_bwd and the reduction without the dispatcher, for validated eager
+    calls: one autograd node per call, whatever the reduction."""
 
     @staticmethod
-    def forward(ctx, module, q1, k1, q2, k2, causal, scale1, scale2, cu_seqlens, max_seqlen):
+    def forward(ctx, module, q1, k1, q2, k2, causal, scale1, scale2, cu_seqlens, max_seqlen, reduction, rows):
         kl, lse1, lse2 = _forward(module, q1, k1, q2, k2, causal, scale1, scale2, cu_seqlens, max_seqlen)
         ctx.save_for_backward(q1, k1, q2, k2, kl, lse1, lse2, cu_seqlens)
-        ctx.args = (module, causal, scale1, scale2, max_seqlen)
-        return kl
+        ctx.args = (module, causal, scale1, scale2, max_seqlen, reduction, rows)
+        return _reduce(kl, reduction, rows)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_kl):
+    def backward(ctx, grad):
         q1, k1, q2, k2, kl, lse1, lse2, cu_seqlens = ctx.saved_tensors
-        module, causal, scale1, scale2, max_seqlen = ctx.args
+        module, causal, scale1, scale2, max_seqlen, reduction, rows = ctx.args
+        if reduction != "none":  # every row's KL enters the sum once
+            grad = (grad / rows if reduction == "mean" else grad).expand(kl.shape)
         needs = ctx.needs_input_grad[1:5]
         grads = _backward(
             module,
-            grad_kl,
+            grad,
             q1,
             k1,
             q2,
@@ -215,7 +218,16 @@ class _AttnKL(torch.autograd.Function):
             max_seqlen,
             needs,
         )
-        return (None, *grads, None, None, None, None, None)
+        return (None, *grads, None, None, None, None, None, None, None)
+
+
+def _reduce(kl: Tensor, reduction: str, rows: int) -> Tensor:
+    """reduction="mean" divides by `rows`, the rows that see a key (at least 1: a call where no
+    row sees a key gives 0, the KL of an empty row)."""
+    if reduction == "none":
+        return kl
+    total = kl.sum()
+    return total if reduction == "sum" else total / rows
 
 
 def _plain(*tensors) -> bool:
@@ -255,21 +267,16 @@ def attn_kl(
         cu_seqlens=cu_seqlens,
         max_seqlen=max_seqlen,
     )
+    rows = max(_checks.visible_rows(problem, causal, cu_seqlens is not None), 1) if reduction == "mean" else 1
     if _plain(q1, k1, q2, k2, cu_seqlens):
         _env.check_all()
         max_seqlen = _checks.resolve_max_seqlen(cu_seqlens, max_seqlen, problem.nq)
         module = _dispatch.select(q1, k1, q2, k2, cu_seqlens, backend)
-        kl = _AttnKL.apply(module, q1, k1, q2, k2, causal, scale1, scale2, cu_seqlens, max_seqlen)
-    else:
-        _dispatch.check_name(backend)
-        kl, _, _ = attn_kl_fwd(q1, k1, q2, k2, causal, scale1, scale2, cu_seqlens, max_seqlen, backend)
-    if reduction == "none":
-        return kl
-    total = kl.sum()
-    if reduction == "sum":
-        return total
-    # mean over rows that see a key; none at all gives 0, the KL of an empty row
-    return total / max(_checks.visible_rows(problem, causal, cu_seqlens is not None), 1)
+        args = (module, q1, k1, q2, k2, causal, scale1, scale2, cu_seqlens, max_seqlen, reduction, rows)
+        return _AttnKL.apply(*args)
+    _dispatch.check_name(backend)
+    kl, _, _ = attn_kl_fwd(q1, k1, q2, k2, causal, scale1, scale2, cu_seqlens, max_seqlen, backend)
+    return _reduce(kl, reduction, rows)
 
 
 _lib = torch.library.Library("streamkl", "FRAGMENT")

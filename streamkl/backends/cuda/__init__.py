@@ -1,16 +1,73 @@
-"""CUDA C++ backend (NVRTC + cuda-python, TMA and wgmma on sm_90). Not built yet: it reports
-itself unavailable so that naming it raises a clear error and `auto` skips it."""
+"""CUDA C++ backend: the forward is a warp-specialized TMA + wgmma kernel for sm_90
+(kernels/kl_fwd.cu), compiled at run time by NVRTC (_jit.py) and launched on torch's current
+stream (_launch.py); docs/cuda.md describes it. Its backward is the triton backend's, run on
+this forward's (kl, lse1, lse2), so `supports` admits only inputs triton runs too."""
 
 from __future__ import annotations
 
+import functools
+
+import torch
+
+BACKWARD = "triton"  # no CUDA backward yet: the op runs triton's on this forward's statistics
+AUTO = False  # not yet measured faster than the triton forward on the H200 (docs/cuda.md)
+
+_DTYPES = (torch.bfloat16, torch.float16)
+_MAX_GRID_YZ = 65535  # heads ride on grid y, the batch on grid z
+
+
+@functools.cache
+def _toolchain() -> str | None:
+    try:
+        import cuda.bindings.driver  # noqa: F401
+        import cuda.core  # noqa: F401
+
+        from . import _jit
+
+        _jit.nvrtc_version()
+    except Exception as exc:  # missing package or no NVRTC library
+        return f"cuda-python with NVRTC is not usable here ({exc}); install streamkl[cuda]"
+    return None
+
+
+@functools.cache
+def _arch_reason(index: int) -> str | None:
+    major, minor = torch.cuda.get_device_capability(index)
+    if (major, minor) != (9, 0):
+        return f"the cuda backend's kernels are built for sm_90a (Hopper); this GPU is sm_{major}{minor}"
+    return None
+
 
 def supports(q1, k1, q2, k2, cu_seqlens=None) -> str | None:
-    return "the cuda backend is not implemented yet in this version of streamkl"
+    if q1.device.type != "cuda":
+        return "the cuda backend runs CUDA tensors only"
+    if cu_seqlens is not None:
+        return "the cuda backend does not take packed sequences (cu_seqlens) yet"
+    dtypes = {t.dtype for t in (q1, k1, q2, k2)}
+    if len(dtypes) != 1 or q1.dtype not in _DTYPES:
+        got = ", ".join(sorted(str(d) for d in dtypes))
+        return f"the cuda backend takes one dtype, float16 or bfloat16, for all four inputs; got {got}"
+    from ._launch import MAX_D, tma_reason
+
+    if q1.shape[-1] > MAX_D or q2.shape[-1] > MAX_D:
+        return f"the cuda backend runs head dims up to {MAX_D}; got D1={q1.shape[-1]}, D2={q2.shape[-1]}"
+    if q1.shape[1] > _MAX_GRID_YZ or q1.shape[0] > _MAX_GRID_YZ:
+        return f"the cuda backend runs at most {_MAX_GRID_YZ} heads and batches"
+    reason = _toolchain() or _arch_reason(q1.device.index or 0)
+    if reason is not None:
+        return reason
+    for name, t in zip(("q1", "k1", "q2", "k2"), (q1, k1, q2, k2)):
+        reason = tma_reason(t, name)
+        if reason is not None:
+            return reason
+    return None
 
 
-def forward(*args, **kwargs):
-    raise NotImplementedError(supports(None, None, None, None))
+def forward(q1, k1, q2, k2, *, causal, scale1, scale2, cu_seqlens, max_seqlen):
+    from ._launch import forward as launch
+
+    return launch(q1, k1, q2, k2, causal=causal, scale1=scale1, scale2=scale2)
 
 
 def backward(*args, **kwargs):
-    raise NotImplementedError(supports(None, None, None, None))
+    raise NotImplementedError("the cuda backend has no backward of its own: the op runs BACKWARD's")

@@ -4,7 +4,8 @@ What a launch needs besides the tensors (configs, grids, split count, constexprs
 strategy and its key-major launches) is a plan, computed once per key by `fwd_plan` /
 `bwd_plan` (functools.lru_cache) from the sizes, dtype, flags, device and the STREAMKL_TRITON_*
 settings. The launchers read those settings through streamkl._env on every call and pass their
-values in, so a call pays a cache lookup, never the selection rules.
+values in, so a call pays a cache lookup, never the selection rules. `_launch` then skips
+Triton's per-call argument binding for a launch it has seen before (docs/overhead.md).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from typing import NamedTuple
 
 import torch
 import triton
+from triton.runtime import driver
+from triton.runtime.jit import JITFunction
 
 from ... import _env
 from . import _config
@@ -25,6 +28,80 @@ from ._fwd import _fwd_kernel, _merge_kernel
 LOG2E = 1.4426950408889634
 PLAN_CACHE_SIZE = 1024  # distinct shape keys kept (varlen batches key on max_seqlen)
 MERGE_BLOCK_R = 128
+
+
+# (id of a plan's constexpr dict, current device, integer arguments, pointers' low 7 bits) ->
+# (that dict, kept so its id stays unique; the launcher, function handle and packed metadata of
+# the compiled kernel; the constexpr values that follow the runtime arguments), or None where
+# Triton returned no compiled kernel (the interpreter).
+_SEEN: dict[tuple, tuple | None] = {}
+SEEN_MAX = 4096
+
+
+def _launch(kernel, grid, args, consts):
+    """kernel[grid](*args, **consts), without JITFunction.run's binding once seen.
+
+    Triton specializes a compiled kernel on its constexprs, on the values of integer arguments
+    (1, multiples of 16, 32- or 64-bit) and on pointer alignment (16 bytes). A launch whose
+    constexprs, exact integers and pointer addresses modulo 128 match an earlier one therefore
+    runs that one's compiled kernel: the launch goes straight to Triton's C launcher on the
+    current stream. Anything else, and any launch with Triton's launch hooks set (profilers),
+    goes through kernel[grid] as usual.
+    """
+    if not isinstance(kernel, JITFunction):  # the interpreter (TRITON_INTERPRET=1)
+        kernel[grid](*args, **consts)
+        return
+    device = _current_device()
+    key = (
+        id(consts),
+        device,
+        tuple(a for a in args if type(a) is int),
+        tuple(a.data_ptr() & 127 for a in args if isinstance(a, torch.Tensor)),
+    )
+    seen = _SEEN.get(key, False)
+    runtime = triton.knobs.runtime
+    if (
+        seen is False
+        or seen is None
+        or _hooked(runtime.launch_enter_hook)
+        or _hooked(runtime.launch_exit_hook)
+    ):
+        compiled = kernel[grid](*args, **consts)
+        if seen is False:
+            if len(_SEEN) >= SEEN_MAX:
+                _SEEN.clear()
+            _SEEN[key] = _fast_entry(kernel, compiled, len(args), consts)
+        return
+    _, run, function, packed, tail = seen
+    g = (*grid, 1, 1)
+    run(g[0], g[1], g[2], _current_stream(device), function, packed, None, None, None, *args, *tail)
+
+
+def _fast_entry(kernel, compiled, n_args, consts):
+    """What a later launch of the same specialization needs, or None if it cannot skip binding:
+    no compiled kernel came back, or constexprs do not all follow the runtime arguments."""
+    if hasattr(compiled, "result"):  # a future, where Triton compiles asynchronously
+        compiled = compiled.result()
+    if not hasattr(compiled, "packed_metadata"):
+        return None
+    names = kernel.arg_names[n_args:]
+    if any(name not in consts for name in names):
+        return None
+    tail = tuple(consts[name] for name in names)
+    return consts, compiled.run, compiled.function, compiled.packed_metadata, tail
+
+
+def _hooked(hook) -> bool:
+    """Whether a launch hook would run: Triton keeps them in chains that are empty by default."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+def _current_device() -> int:
+    return driver.active.get_current_device()
+
+
+def _current_stream(device: int):
+    return driver.active.get_current_stream(device)
 
 
 @functools.cache
@@ -145,7 +222,7 @@ def forward(q1, k1, q2, k2, *, causal, scale1, scale2, cu_seqlens, max_seqlen, c
     part = kl  # placeholder pointer without split-K (never read)
     if plan.splits > 1:
         part = torch.empty((5, plan.splits, B, H, NQ), device=dev, dtype=torch.float32)
-    _fwd_kernel[plan.grid](
+    args = (
         q1,
         k1,
         q2,
@@ -165,10 +242,11 @@ def forward(q1, k1, q2, k2, *, causal, scale1, scale2, cu_seqlens, max_seqlen, c
         float(scale2) * LOG2E,
         plan.split_len,
         plan.splits,
-        **plan.consts,
     )
+    _launch(_fwd_kernel, plan.grid, args, plan.consts)
     if plan.merge_grid is not None:
-        _merge_kernel[plan.merge_grid](part, kl, lse1, lse2, n_rows, plan.splits, **plan.merge_consts)
+        args = (part, kl, lse1, lse2, n_rows, plan.splits)
+        _launch(_merge_kernel, plan.merge_grid, args, plan.merge_consts)
     return kl, lse1, lse2
 
 
@@ -339,7 +417,7 @@ def backward(
         dqa1 = _dq_accumulator(dq1) if need_dq1 else None
         dqa2 = _dq_accumulator(dq2) if need_dq2 else None
     for la in plan.key_major:
-        _bwd_dk_kernel[la.grid](
+        args = (
             q1,
             k1,
             q2,
@@ -366,15 +444,15 @@ def backward(
             c2,
             s1,
             s2,
-            **la.consts,
         )
+        _launch(_bwd_dk_kernel, la.grid, args, la.consts)
     if plan.fused:
         if need_dq1 and dqa1 is not dq1:
             dq1.copy_(dqa1)
         if need_dq2 and dqa2 is not dq2:
             dq2.copy_(dqa2)
     if plan.dq_grid is not None:
-        _bwd_dq_kernel[plan.dq_grid](
+        args = (
             q1,
             k1,
             q2,
@@ -396,8 +474,8 @@ def backward(
             c2,
             s1,
             s2,
-            **plan.dq_consts,
         )
+        _launch(_bwd_dq_kernel, plan.dq_grid, args, plan.dq_consts)
     return out
 
 

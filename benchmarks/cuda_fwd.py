@@ -1,0 +1,205 @@
+"""The cuda backend's forward on this GPU, in one run: compile every variant of kernels/kl_fwd.cu
+(first-call compile time, registers, spills), check each against a float64 oracle on fresh random
+data (outputs poisoned first), then time each beside the triton forward and a bf16 8192^3 GEMM
+(triton.testing.do_bench, median). Prints a table last; --json writes everything.
+
+    python benchmarks/cuda_fwd.py --json out.json [--variants a,b,c] [--skip-bench]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import platform
+import subprocess
+import sys
+import time
+
+import torch
+
+import streamkl
+from streamkl.backends.cuda import _jit, _launch
+from streamkl.testing import dense_attn_kl, make_inputs, rel_err
+
+BASE = dict(KL_FP16=0, D1P=128, D2P=128)
+# The stages of docs/cuda.md, and what was tried beside them.
+VARIANTS = {
+    "a-plain": dict(NWG=2, BN=128, STAGES=2, WS=0, PINGPONG=0),
+    "b-ws": dict(NWG=2, BN=128, STAGES=2, WS=1, PINGPONG=0),
+    "c-pingpong2": dict(NWG=2, BN=128, STAGES=2, WS=1, PINGPONG=1),
+    "c-ws3": dict(NWG=3, BN=64, STAGES=4, WS=1, PINGPONG=0),
+    "c-pingpong3": dict(NWG=3, BN=64, STAGES=4, WS=1, PINGPONG=1),
+}
+CHECKS = [  # (b, h, hk1, hk2, nq, nk, d1, d2, layout, causal, dtype)
+    (2, 4, 4, 4, 1000, 1000, 128, 128, "bhnd", False, torch.bfloat16),
+    (2, 4, 4, 4, 1000, 1000, 128, 128, "bhnd", True, torch.bfloat16),
+    (1, 8, 2, 1, 333, 777, 128, 64, "bnhd", True, torch.bfloat16),
+    (1, 8, 1, 4, 515, 130, 64, 128, "bnhd", True, torch.float16),
+    (1, 2, 2, 2, 37, 53, 128, 128, "bhnd", False, torch.float16),
+    (1, 2, 2, 2, 1, 1, 64, 64, "bhnd", False, torch.bfloat16),
+]
+
+
+def consts_for(variant, d1, d2, dtype):
+    c = dict(BASE, **VARIANTS[variant])
+    c.update(D1P=_launch.padded_dim(d1), D2P=_launch.padded_dim(d2), KL_FP16=int(dtype == torch.float16))
+    while _launch.smem_bytes(c) > _launch.SMEM_LIMIT:
+        c["STAGES"] -= 1
+    return c
+
+
+def run_cuda(inputs, causal, consts):
+    q1, k1, q2, k2 = inputs
+    s1, s2 = 1 / math.sqrt(q1.shape[-1]), 1 / math.sqrt(q2.shape[-1])
+    return _launch.forward(q1, k1, q2, k2, causal=causal, scale1=s1, scale2=s2, consts=consts)
+
+
+def check(variant, log):
+    worst = 0.0
+    for b, h, hk1, hk2, nq, nk, d1, d2, layout, causal, dtype in CHECKS:
+        consts = consts_for(variant, d1, d2, dtype)
+        inputs = make_inputs(b=b, h=h, hk1=hk1, hk2=hk2, nq=nq, nk=nk, d1=d1, d2=d2, dtype=dtype,
+                             device="cuda", layout=layout, seed=nq + nk)  # fmt: skip
+        poison = torch.full((3, b, h, nq), float("nan"), device="cuda")
+        del poison  # the outputs reuse this memory
+        kl, lse1, lse2 = run_cuda(inputs, causal, consts)
+        torch.cuda.synchronize()
+        ref, r1, r2 = dense_attn_kl(*(t.double() for t in inputs), causal=causal, return_lse=True)
+        finite = torch.isfinite(r1)  # rows that see a key
+        ok_inf = torch.equal(torch.isneginf(lse1), torch.isneginf(r1)) and torch.equal(
+            torch.isneginf(lse2), torch.isneginf(r2)
+        )
+        err = rel_err(kl, ref)
+        lerr = (
+            max(rel_err(lse1[finite], r1[finite]), rel_err(lse2[finite], r2[finite])) if finite.any() else 0.0
+        )
+        nan = bool(torch.isnan(kl).any() or torch.isnan(lse1).any())
+        good = ok_inf and not nan and err < 1e-4 and lerr < 1e-5
+        worst = max(worst, err if good else math.inf)
+        case = str((b, h, hk1, hk2, nq, nk, d1, d2, layout, causal, str(dtype)))
+        verdict = "ok" if good else "FAIL"
+        print(f"  check {variant} {case}: kl rel err {err:.2e} lse {lerr:.2e} nan={nan} "
+              f"-inf rows ok={ok_inf} -> {verdict}", flush=True)  # fmt: skip
+        log.append(dict(variant=variant, case=case, kl_rel_err=err, lse_rel_err=lerr, nan=nan, good=good))
+    return worst
+
+
+def bench_ms(fn):
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=25, rep=150, return_mode="median")
+
+
+def time_gemm():
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    return 2 * 8192**3 / bench_ms(lambda: a @ b) / 1e9
+
+
+def time_shape(d, n, causal, variants):
+    """TFLOP/s of the triton forward (through the op) and of each variant at B=1, H=32."""
+    inputs = make_inputs(b=1, h=32, nq=n, nk=n, d1=d, d2=d, dtype=torch.bfloat16, device="cuda", seed=1)
+    flops = 4 * 32 * n * n * d / (2 if causal else 1)
+    ref_kl = streamkl.attn_kl(*inputs, causal=causal, backend="triton")
+    ms = bench_ms(lambda: streamkl.attn_kl(*inputs, causal=causal, backend="triton"))
+    row = dict(d=d, n=n, causal=causal, triton=flops / ms / 1e9)
+    for v in variants:
+        c = consts_for(v, d, d, torch.bfloat16)
+        kl, _, _ = run_cuda(inputs, causal, c)
+        row[v + "-vs-triton-relerr"] = rel_err(kl, ref_kl)
+        row[v] = flops / bench_ms(lambda c=c: run_cuda(inputs, causal, c)) / 1e9
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--sizes", default="8192,16384")
+    ap.add_argument("--skip-bench", action="store_true")
+    ap.add_argument("--small", action="store_true", help="the small checks only (for compute-sanitizer)")
+    args = ap.parse_args()
+    variants = args.variants.split(",")
+    if args.small:
+        CHECKS[:] = [(1, 2, 1, 2, 200, 333, 128, 64, "bnhd", True, torch.bfloat16),
+                     (1, 2, 2, 1, 77, 64, 64, 128, "bhnd", False, torch.float16)]  # fmt: skip
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
+    import cuda.bindings
+    import cuda.core
+    import triton
+
+    now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes")
+    env = dict(
+        gpu=torch.cuda.get_device_name(), date=now,
+        commit=commit or "(not a git checkout)", torch=torch.__version__, triton=triton.__version__,
+        cuda_core=cuda.core.__version__, cuda_bindings=cuda.bindings.__version__,
+        nvrtc=".".join(map(str, _jit.nvrtc_version())), python=platform.python_version(),
+    )  # fmt: skip
+    print(env, flush=True)
+    out = dict(env=env, builds={}, checks=[], timings=[])
+
+    for v in variants:  # compile first: the build report is useful even if a check hangs
+        for d in (128, 64):
+            c = consts_for(v, d, d, torch.bfloat16)
+            t0 = time.perf_counter()
+            b = _jit.compile_kernel(_launch.source(), _launch.ENTRY, c)
+            secs, smem = round(time.perf_counter() - t0, 2), _launch.smem_bytes(c)
+            out["builds"][f"{v}-d{d}"] = dict(
+                consts=c, registers=b.registers, spill_bytes=b.spill_bytes, compile_s=secs, smem=smem
+            )
+            print(
+                f"build {v} d{d}: {b.registers} regs, {b.spill_bytes} B spills, smem {smem}, {secs} s",
+                flush=True,
+            )
+
+    good = []
+    for v in variants:
+        if check(v, out["checks"]) < 1e-4:
+            good.append(v)
+    if args.json:
+        json.dump(out, open(args.json, "w"), indent=1)
+    if args.skip_bench:
+        return
+
+    # host cost of one small call (the GPU runs behind)
+    x = make_inputs(b=1, h=1, nq=128, nk=128, d1=64, d2=64, dtype=torch.bfloat16, device="cuda")
+    for name in ("cuda", "triton"):
+        for _ in range(20):
+            streamkl.attn_kl(*x, backend=name)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(500):
+            streamkl.attn_kl(*x, backend=name)
+        host = (time.perf_counter() - t0) / 500 * 1e6
+        torch.cuda.synchronize()
+        out["timings"].append(dict(what=f"host-us-per-call-{name}", us=host))
+        print(f"host cost per small call, {name}: {host:.1f} us", flush=True)
+
+    gemm = time_gemm()
+    out["timings"].append(dict(what="gemm-bf16-8192", tflops=gemm))
+    rows = []
+    sizes = [int(s) for s in args.sizes.split(",")]
+    for d in (128, 64):
+        for n in sizes if d == 128 else sizes[:1]:
+            for causal in (False, True):
+                row = time_shape(d, n, causal, good if d == 128 else [v for v in good if v.startswith("c-")])
+                rows.append(row)
+                out["timings"].append(row)
+                print(row, flush=True)
+    if args.json:
+        json.dump(out, open(args.json, "w"), indent=1)
+    print(f"\n{env['gpu']}  commit {env['commit']}  {env['date']}  GEMM bf16 8192^3: {gemm:.0f} TFLOP/s")
+    cols = ["triton", *[v for v in good]]
+    print(f"{'D':>4} {'N':>6} {'causal':>6} " + " ".join(f"{c:>12}" for c in cols))
+    for r in rows:
+        print(f"{r['d']:>4} {r['n']:>6} {str(r['causal']):>6} " + " ".join(
+            f"{r[c]:>12.0f}" if c in r else f"{'-':>12}" for c in cols))  # fmt: skip
+    print("(TFLOP/s on 4*B*H*N*N*D, half when causal; B=1 H=32 bf16)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,240 @@
+"""The forward's host side: which instantiation of kernels/kl_fwd.cu runs, its tensor maps, its
+parameter block and its launch on torch's current stream (no host sync, no input copied).
+
+A call costs: three output allocations, one dict lookup per input for its tensor map (encoded by
+cuTensorMapEncodeTiled once per (address, shape, strides, dtype, box) and kept), one struct.pack
+of the parameter block, and cuLaunchKernel with a prebuilt argument pointer.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import struct
+from typing import NamedTuple
+
+import torch
+
+from . import _jit
+
+LOG2E = 1.4426950408889634
+SMEM_LIMIT = 232448  # dynamic shared memory one sm_90 CTA may opt into (227 KB)
+TMA_BOX = 64  # 16-bit columns per TMA box: one 128-byte swizzle span
+MAX_D = 128  # head dims are padded (by TMA's zero fill) to 64 or 128
+PARAMS_BYTES = 576  # sizeof(Params) in kl_fwd.cu: four 128-byte maps, then the scalars
+_SCALARS = struct.Struct("<3Q7i2f")  # kl, lse1, lse2, h, nq, nk, g1, g2, m_tiles, causal, c1, c2
+_PAD = bytes(PARAMS_BYTES - 4 * 128 - _SCALARS.size)
+SOURCE_FILE = "kl_fwd.cu"
+ENTRY = "kl_fwd"
+
+
+def padded_dim(d: int) -> int:
+    return 64 if d <= 64 else 128
+
+
+def smem_bytes(c: dict) -> int:
+    """Mirrors SMEM_BYTES in kl_fwd.cu (the kernel traps if it is given less)."""
+    q = c["NWG"] * 64 * (c["D1P"] + c["D2P"]) * 2
+    k = c["STAGES"] * c["BN"] * (c["D1P"] + c["D2P"]) * 2
+    return q + k + 8 * (1 + 2 * c["STAGES"]) + 1024
+
+
+def threads(c: dict) -> int:
+    return 128 * (c["NWG"] + c["WS"])
+
+
+def shipped(d1p: int, d2p: int, fp16: bool) -> dict:
+    """The constants of the instantiation that runs for padded head dims (d1p, d2p): a producer
+    warpgroup and two ping-ponging consumer warpgroups over 128 x 128 tiles (docs/cuda.md), as
+    many ring stages as shared memory holds, up to 4."""
+    c = dict(KL_FP16=int(fp16), D1P=d1p, D2P=d2p, NWG=2, BN=128, STAGES=1, WS=1, PINGPONG=1)
+    while c["STAGES"] < 4 and smem_bytes(dict(c, STAGES=c["STAGES"] + 1)) <= SMEM_LIMIT:
+        c["STAGES"] += 1
+    return c
+
+
+def shipped_instantiations() -> list[dict]:
+    """Every instantiation a supported input can select (CI compiles each of them)."""
+    return [shipped(a, b, f) for f in (False, True) for a in (64, 128) for b in (64, 128)]
+
+
+def source() -> str:
+    return (_jit.KERNELS / SOURCE_FILE).read_text()
+
+
+class Kernel(NamedTuple):
+    handle: object  # CUkernel
+    consts: dict
+    smem: int
+    threads: int
+    bm: int
+    build: _jit.Build
+
+
+_KERNELS: dict[tuple, Kernel] = {}
+
+
+def kernel(consts: dict, device_index: int) -> Kernel:
+    """The loaded kernel of one instantiation on one device (compiled or read from the disk
+    cache once per process), with its dynamic shared memory limit raised."""
+    key = (tuple(sorted(consts.items())), device_index)
+    found = _KERNELS.get(key)
+    if found is not None:
+        return found
+    from cuda.bindings import driver
+
+    build = _jit.compile_kernel(source(), ENTRY, consts)
+    handle = _jit.load(build, device_index).handle
+    if not isinstance(handle, driver.CUkernel):
+        handle = driver.CUkernel(int(handle))
+    smem = smem_bytes(consts)
+    attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    _check(
+        driver.cuKernelSetAttribute(attr, smem, handle, driver.CUdevice(device_index)), "cuKernelSetAttribute"
+    )
+    found = Kernel(handle, dict(consts), smem, threads(consts), 64 * consts["NWG"], build)
+    _KERNELS[key] = found
+    return found
+
+
+def _check(result, what):
+    err = result[0]
+    if int(err) != 0:
+        raise RuntimeError(f"{what} failed: {err!r}")
+    return result[1] if len(result) > 1 else None
+
+
+# ---- tensor maps ----
+
+MAP_CACHE_SIZE = 4096
+_MAPS: dict[tuple, bytes] = {}
+
+
+@functools.cache
+def _map_enums():
+    from cuda.bindings import driver as d
+
+    t = d.CUtensorMapDataType
+    return (
+        {
+            torch.bfloat16: t.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+            torch.float16: t.CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+        },
+        d.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+        d.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+        d.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+        d.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+    )
+
+
+def tma_reason(t: torch.Tensor, name: str) -> str | None:
+    """Why TMA cannot address tensor `name` in place, or None: its base 16-byte aligned, its
+    last dim contiguous, every other stride (of a dim longer than 1) a positive multiple of 16
+    bytes below 2^40, every size below 2^31."""
+    es = t.element_size()
+    if t.data_ptr() % 16:
+        return f"{name} does not start on a 16-byte boundary (TMA needs one; auto takes triton)"
+    if t.shape[-1] > 1 and t.stride(-1) != 1:
+        return f"{name} is not contiguous in its last dim (TMA needs that; auto takes triton)"
+    for size, stride in zip(t.shape[:-1], t.stride()[:-1]):
+        if size > 1 and (stride <= 0 or (stride * es) % 16 or stride * es >= 2**40):
+            return (
+                f"{name} has strides {tuple(t.stride())}: TMA needs every stride but the last to be a "
+                "positive multiple of 16 bytes (auto takes triton)"
+            )
+    if max(t.shape) >= 2**31:
+        return f"{name} has a dim of 2^31 or more"
+    return None
+
+
+def tensor_map(t: torch.Tensor, rows: int) -> bytes:
+    """The 128 bytes of a 4-D tensor map {D, N, heads, B} of `t` (B, heads, N, D) with boxes of
+    64 columns x `rows` rows, 128-byte swizzle, zeros out of bounds."""
+    shape, stride = t.shape, t.stride()
+    key = (t.data_ptr(), shape, stride, t.dtype, rows)
+    found = _MAPS.get(key)
+    if found is not None:
+        return found
+    from cuda.bindings import driver as d
+
+    dtypes, interleave, swizzle, l2, oob = _map_enums()
+    es = t.element_size()
+    b, h, n, dim = shape
+    # A dim of size 1 is only ever read at 0: any valid stride serves.
+    strides = [st * es if size > 1 else 16 for size, st in ((n, stride[2]), (h, stride[1]), (b, stride[0]))]
+    tmap = _check(
+        d.cuTensorMapEncodeTiled(
+            dtypes[t.dtype],
+            4,
+            t.data_ptr(),
+            [d.cuuint64_t(dim), d.cuuint64_t(n), d.cuuint64_t(h), d.cuuint64_t(b)],
+            [d.cuuint64_t(s) for s in strides],
+            [d.cuuint32_t(TMA_BOX), d.cuuint32_t(rows), d.cuuint32_t(1), d.cuuint32_t(1)],
+            [d.cuuint32_t(1)] * 4,
+            interleave,
+            swizzle,
+            l2,
+            oob,
+        ),
+        "cuTensorMapEncodeTiled",
+    )
+    raw = ctypes.string_at(tmap.getPtr(), 128)  # the encoded map, by value
+    if len(_MAPS) >= MAP_CACHE_SIZE:
+        _MAPS.clear()
+    _MAPS[key] = raw
+    return raw
+
+
+# ---- launch ----
+
+
+def forward(q1, k1, q2, k2, *, causal, scale1, scale2, consts: dict | None = None):
+    """(kl, lse1, lse2) of dense inputs; consts: an instantiation replacing the shipped one
+    (benchmarks/cuda_fwd.py's variants)."""
+    B, H, NQ, D1 = q1.shape
+    NK, D2 = k1.shape[2], q2.shape[3]
+    dev = q1.device
+    kl = torch.empty((B, H, NQ), device=dev, dtype=torch.float32)
+    lse1 = torch.empty_like(kl)
+    lse2 = torch.empty_like(kl)
+    if B * H * NQ == 0:
+        return kl, lse1, lse2
+    if NK == 0:  # every row sees nothing
+        return kl.zero_(), lse1.fill_(float("-inf")), lse2.fill_(float("-inf"))
+    if consts is None:
+        consts = shipped(padded_dim(D1), padded_dim(D2), q1.dtype == torch.float16)
+    k = kernel(consts, dev.index if dev.index is not None else torch.cuda.current_device())
+    m_tiles = -(-NQ // k.bm)
+    bn = consts["BN"]
+    block = (
+        tensor_map(q1, 64)
+        + tensor_map(k1, bn)
+        + tensor_map(q2, 64)
+        + tensor_map(k2, bn)
+        + _SCALARS.pack(
+            kl.data_ptr(),
+            lse1.data_ptr(),
+            lse2.data_ptr(),
+            H,
+            NQ,
+            NK,
+            H // k1.shape[1],
+            H // k2.shape[1],
+            m_tiles,
+            int(bool(causal)),
+            float(scale1) * LOG2E,
+            float(scale2) * LOG2E,
+        )
+        + _PAD
+    )
+    params = ctypes.create_string_buffer(block, PARAMS_BYTES)
+    argv = (ctypes.c_void_p * 1)(ctypes.addressof(params))
+    from cuda.bindings import driver
+
+    stream = driver.CUstream(torch.cuda.current_stream(dev).cuda_stream)
+    (err,) = driver.cuLaunchKernel(
+        k.handle, m_tiles, H, B, k.threads, 1, 1, k.smem, stream, ctypes.addressof(argv), 0
+    )
+    if int(err) != 0:
+        raise RuntimeError(f"cuLaunchKernel of {ENTRY} {consts} failed: {err!r}")
+    return kl, lse1, lse2

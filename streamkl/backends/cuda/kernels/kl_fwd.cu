@@ -1,0 +1,384 @@
+// kl_fwd.cu: the fused forward, KL(softmax(s1 Q1 K1^T) || softmax(s2 Q2 K2^T)) per query row.
+//
+// Grid: (cdiv(Nq, BM), H, B), BM = 64 * NWG query rows per CTA; x runs the row tiles from the
+// last to the first, so under causal masking the longest CTAs start first.
+// Block: 128 * (NWG + WS) threads, one CTA per SM (__launch_bounds__(.., 1)).
+//   WS = 1: warpgroup 0 is the producer (setmaxnreg.dec; one thread issues every TMA: q1, q2
+//           of the CTA once, then the k1, k2 tiles of each key tile into a STAGES-deep ring);
+//           warpgroups 1..NWG are consumers (setmaxnreg.inc).
+//   WS = 0: NWG consumer warpgroups only; thread 0 also issues the loads, refilling a stage once
+//           every consumer has released it (a plain TMA pipeline, no warp roles).
+// Consumer warpgroup c owns query rows [m0 + 64c, m0 + 64c + 64) and, per key tile of BN keys,
+//   computes S1 = Q1 K1^T and S2 = Q2 K2^T (64 x BN fp32 each, wgmma m64nBNk16, both operands
+//   read from shared memory) as two commit groups, runs the online update of S1 while the S2
+//   GEMM is in flight, then releases the stage (one thread arrives on its "empty" barrier) and
+//   runs the update of S2. PINGPONG = 1: the consumers issue their GEMMs in strict turn (named
+//   barriers 1..NWG), so one warpgroup's exponentials run under another's GEMMs.
+// Online update (log2 units, t = S * log2(e) * scale; see docs/math.md): every thread keeps, for
+//   each of its two rows and over its own quarter of the columns, m1, l1, m2, l2 and the sums
+//   aa = sum e1 * S1raw, ab = sum e1 * S2raw; the four threads of a row merge these once, after
+//   the last tile (no shuffle per tile). acc = c1 * aa - c2 * ab = sum e1 * (t1 - t2).
+// Tiles: Q of a consumer 64 x D (D padded to DP = 64 or 128 by TMA's zero fill), K tiles BN x D,
+//   all stored as 1024-byte-aligned slabs of 64 columns, 128-byte swizzled (the wgmma K-major
+//   SW128 layout). Keys past Nk and rows past Nq arrive as zeros; masked tiles (the ragged last
+//   key tile and the causal frontier) exclude their invalid keys explicitly.
+// Barriers: q_full (count 1, tx = Q bytes), full[s] (count 1, tx = K1 + K2 tile bytes),
+//   empty[s] (count NWG: one arrival per consumer warpgroup).
+// Reads q1, k1, q2, k2 through 4-D tensor maps {D, N, heads, B} built from the tensors' strides
+//   (query head h reads key head h / g); writes kl, lse1, lse2 ([B, H, Nq] float32) of its rows,
+//   kl = 0 and lse = -inf on rows that see no key.
+#include "sm90.cuh"
+
+#ifndef D1P
+#define D1P 128
+#endif
+#ifndef D2P
+#define D2P 128
+#endif
+#ifndef NWG
+#define NWG 2
+#endif
+#ifndef BN
+#define BN 128
+#endif
+#ifndef STAGES
+#define STAGES 2
+#endif
+#ifndef WS
+#define WS 1
+#endif
+#ifndef PINGPONG
+#define PINGPONG 1
+#endif
+
+static_assert(D1P == 64 || D1P == 128, "D1P: 64 or 128");
+static_assert(D2P == 64 || D2P == 128, "D2P: 64 or 128");
+static_assert(BN == 64 || BN == 128, "BN: 64 or 128");
+static_assert(NWG >= 1 && NWG <= 3, "NWG: 1 to 3 consumer warpgroups");
+static_assert(!PINGPONG || (WS && NWG >= 2), "ping-pong needs a producer and two consumers");
+
+constexpr int BM = 64 * NWG;
+constexpr int THREADS = 128 * (NWG + WS);
+constexpr int NR = BN / 2;  // accumulator registers per thread per 64 x BN tile
+constexpr unsigned SLAB = 64 * 128;  // one 64-row, 64-column (128-byte) slab
+constexpr unsigned Q1_WG = 64 * D1P * 2, Q2_WG = 64 * D2P * 2;
+constexpr unsigned K1_ST = BN * D1P * 2, K2_ST = BN * D2P * 2;
+constexpr unsigned OFF_Q1 = 0;
+constexpr unsigned OFF_Q2 = OFF_Q1 + NWG * Q1_WG;
+constexpr unsigned OFF_K1 = OFF_Q2 + NWG * Q2_WG;
+constexpr unsigned OFF_K2 = OFF_K1 + STAGES * K1_ST;
+constexpr unsigned OFF_BAR = OFF_K2 + STAGES * K2_ST;
+// 1024 bytes of slack: the dynamic shared memory base is aligned up to 1024 in the kernel.
+constexpr unsigned SMEM_BYTES = OFF_BAR + 8 * (1 + 2 * STAGES) + 1024;
+static_assert(SMEM_BYTES <= 232448, "exceeds the 227 KB of shared memory of an sm_90 CTA");
+// Register budgets after setmaxnreg (65536 per SM): producer x 128 + consumers x 128 NWG.
+constexpr int REG_PROD = NWG == 3 ? 32 : 24;
+constexpr int REG_CONS = NWG == 3 ? 160 : 240;
+static_assert(!WS || REG_PROD * 128 + REG_CONS * 128 * NWG <= 65536, "register budget");
+
+#define KL_INF __int_as_float(0x7f800000)
+#define KL_LN2 0.6931471805599453f
+
+struct Params {
+  TensorMap q1, k1, q2, k2;  // {D, N, heads, B}; q boxes {64, 64, 1, 1}, k boxes {64, BN, 1, 1}
+  float* kl;
+  float* lse1;
+  float* lse2;
+  int h, nq, nk, g1, g2, m_tiles, causal;
+  float c1, c2;  // scale * log2(e)
+};
+
+KL_DEV void load_q(const Params& p, unsigned base, unsigned bar, int m0, int h, int b) {
+  mbar_expect_tx(bar, NWG * (Q1_WG + Q2_WG));
+#pragma unroll
+  for (int c = 0; c < NWG; ++c) {
+#pragma unroll
+    for (int s = 0; s < D1P / 64; ++s)
+      tma_load_4d(base + OFF_Q1 + c * Q1_WG + s * SLAB, &p.q1, 64 * s, m0 + 64 * c, h, b, bar);
+#pragma unroll
+    for (int s = 0; s < D2P / 64; ++s)
+      tma_load_4d(base + OFF_Q2 + c * Q2_WG + s * SLAB, &p.q2, 64 * s, m0 + 64 * c, h, b, bar);
+  }
+}
+
+KL_DEV void load_k(const Params& p, unsigned base, unsigned full, int t, int h1, int h2, int b) {
+  const int stage = t % STAGES;
+  const unsigned bar = full + 8 * stage;
+  mbar_expect_tx(bar, K1_ST + K2_ST);
+#pragma unroll
+  for (int s = 0; s < D1P / 64; ++s)
+    tma_load_4d(base + OFF_K1 + stage * K1_ST + s * (BN * 128), &p.k1, 64 * s, t * BN, h1, b, bar);
+#pragma unroll
+  for (int s = 0; s < D2P / 64; ++s)
+    tma_load_4d(base + OFF_K2 + stage * K2_ST + s * (BN * 128), &p.k2, 64 * s, t * BN, h2, b, bar);
+}
+
+// S (64 x BN) = Q (64 x DP at q) . K^T (BN x DP at k), as DP / 16 wgmma k-steps.
+template <int DP>
+KL_DEV void gemm(float* s, unsigned q, unsigned k) {
+#pragma unroll
+  for (int kk = 0; kk < DP / 16; ++kk) {
+    const unsigned long long da = smem_desc(q + (kk / 4) * SLAB + (kk % 4) * 32);
+    const unsigned long long db = smem_desc(k + (kk / 4) * (BN * 128) + (kk % 4) * 32);
+#if BN == 128
+    wgmma_m64n128k16(s, da, db, kk > 0);
+#else
+    wgmma_m64n64k16(s, da, db, kk > 0);
+#endif
+  }
+}
+
+// Element (j, i, k) of a thread's accumulator: row 8 i of its two, column 8 j + 2 (lane % 4) + k.
+#define KL_IDX(j, i, k) ((j) * 4 + (i) * 2 + (k))
+
+// c * the max over the row's visible elements of c * s (the max of s when c >= 0, its min
+// otherwise); -inf when none is visible. lim: visible iff 8 j + k < lim.
+template <bool MASK>
+KL_DEV float row_max(const float* s, int i, float c, int lim) {
+  float e0, e1, e2, e3;
+  if (c >= 0.f) {
+    e0 = e1 = e2 = e3 = -KL_INF;
+#pragma unroll
+    for (int j = 0; j < BN / 8; j += 2) {
+      float a = s[KL_IDX(j, i, 0)], b = s[KL_IDX(j, i, 1)];
+      float x = s[KL_IDX(j + 1, i, 0)], y = s[KL_IDX(j + 1, i, 1)];
+      if (MASK) {
+        a = 8 * j < lim ? a : -KL_INF;
+        b = 8 * j + 1 < lim ? b : -KL_INF;
+        x = 8 * j + 8 < lim ? x : -KL_INF;
+        y = 8 * j + 9 < lim ? y : -KL_INF;
+      }
+      e0 = fmaxf(e0, a), e1 = fmaxf(e1, b), e2 = fmaxf(e2, x), e3 = fmaxf(e3, y);
+    }
+  } else {
+    e0 = e1 = e2 = e3 = KL_INF;
+#pragma unroll
+    for (int j = 0; j < BN / 8; j += 2) {
+      float a = s[KL_IDX(j, i, 0)], b = s[KL_IDX(j, i, 1)];
+      float x = s[KL_IDX(j + 1, i, 0)], y = s[KL_IDX(j + 1, i, 1)];
+      if (MASK) {
+        a = 8 * j < lim ? a : KL_INF;
+        b = 8 * j + 1 < lim ? b : KL_INF;
+        x = 8 * j + 8 < lim ? x : KL_INF;
+        y = 8 * j + 9 < lim ? y : KL_INF;
+      }
+      e0 = fminf(e0, a), e1 = fminf(e1, b), e2 = fminf(e2, x), e3 = fminf(e3, y);
+    }
+    e0 = -e0, e1 = -e1, e2 = -e2, e3 = -e3;
+  }
+  const float ext = fmaxf(fmaxf(e0, e1), fmaxf(e2, e3));  // max of sign(c) * s
+  if (MASK && ext == -KL_INF) return -KL_INF;
+  return fabsf(c) * ext;
+}
+
+struct Row {
+  float m1, l1, m2, l2, aa, ab;
+};
+
+// The S1 half of a tile's update: m1, l1, aa (and ab's rescale); leaves e1 = 2^(t1 - m1) in s1.
+template <bool MASK>
+KL_DEV void update1(float* s1, Row* r, float c1, const int* lim) {
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const float mnew = fmaxf(r[i].m1, row_max<MASK>(s1, i, c1, lim[i]));
+    const float mu = mnew == -KL_INF ? 0.f : mnew;
+    const float alpha = ex2(r[i].m1 - mu);
+    r[i].m1 = mnew;
+    const float nm = -mu;
+    float l0 = 0.f, l1 = 0.f, a0 = 0.f, a1 = 0.f;
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j) {
+      const int x = KL_IDX(j, i, 0), y = KL_IDX(j, i, 1);
+      float ex = ex2(fmaf(s1[x], c1, nm)), ey = ex2(fmaf(s1[y], c1, nm));
+      if (MASK) {
+        ex = 8 * j < lim[i] ? ex : 0.f;
+        ey = 8 * j + 1 < lim[i] ? ey : 0.f;
+      }
+      l0 += ex, l1 += ey;
+      a0 = fmaf(ex, s1[x], a0), a1 = fmaf(ey, s1[y], a1);
+      s1[x] = ex, s1[y] = ey;
+    }
+    r[i].l1 = fmaf(r[i].l1, alpha, l0 + l1);
+    r[i].aa = fmaf(r[i].aa, alpha, a0 + a1);
+    r[i].ab *= alpha;
+  }
+}
+
+// The S2 half: m2, l2 and ab += e1 * S2 (s1 holds e1, zero on invalid keys).
+template <bool MASK>
+KL_DEV void update2(const float* s1, const float* s2, Row* r, float c2, const int* lim) {
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const float mnew = fmaxf(r[i].m2, row_max<MASK>(s2, i, c2, lim[i]));
+    const float mu = mnew == -KL_INF ? 0.f : mnew;
+    const float alpha = ex2(r[i].m2 - mu);
+    r[i].m2 = mnew;
+    const float nm = -mu;
+    float l0 = 0.f, l1 = 0.f, a0 = 0.f, a1 = 0.f;
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j) {
+      const int x = KL_IDX(j, i, 0), y = KL_IDX(j, i, 1);
+      float ex = ex2(fmaf(s2[x], c2, nm)), ey = ex2(fmaf(s2[y], c2, nm));
+      if (MASK) {
+        ex = 8 * j < lim[i] ? ex : 0.f;
+        ey = 8 * j + 1 < lim[i] ? ey : 0.f;
+      }
+      l0 += ex, l1 += ey;
+      a0 = fmaf(s1[x], s2[x], a0), a1 = fmaf(s1[y], s2[y], a1);
+    }
+    r[i].l2 = fmaf(r[i].l2, alpha, l0 + l1);
+    r[i].ab += a0 + a1;
+  }
+}
+
+KL_DEV float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+KL_DEV float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+// Merges the four threads of each row (log-sum-exp of their partial states) and writes it.
+KL_DEV void finish(const Params& p, const Row* r, const int* rows, int lane, long long out0) {
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const float M1 = quad_max(r[i].m1), M2 = quad_max(r[i].m2);
+    const float M1u = M1 == -KL_INF ? 0.f : M1, M2u = M2 == -KL_INF ? 0.f : M2;
+    const float w1 = ex2(r[i].m1 - M1u), w2 = ex2(r[i].m2 - M2u);
+    const float L1 = quad_sum(r[i].l1 * w1), L2 = quad_sum(r[i].l2 * w2);
+    const float AA = quad_sum(r[i].aa * w1), AB = quad_sum(r[i].ab * w1);
+    if ((lane & 3) == 0 && rows[i] < p.nq) {
+      float kl = 0.f, lse1 = -KL_INF, lse2 = -KL_INF;
+      if (L1 > 0.f) {
+        const float g1 = log2f(L1), g2 = log2f(L2);
+        kl = ((p.c1 * AA - p.c2 * AB) / L1 + (M2 - M1) + g2 - g1) * KL_LN2;
+        lse1 = (M1 + g1) * KL_LN2;
+        lse2 = (M2 + g2) * KL_LN2;
+      }
+      const long long o = out0 + rows[i];
+      p.kl[o] = kl;
+      p.lse1[o] = lse1;
+      p.lse2[o] = lse2;
+    }
+  }
+}
+
+KL_DEV void consume(const Params& p, int c, int tid, unsigned base, int m0, int n_tiles, int h1, int h2,
+                    int b, long long out0) {
+  const unsigned bar_q = base + OFF_BAR, full = bar_q + 8, empty = full + 8 * STAGES;
+  const int warp = tid / 32, lane = tid % 32;
+  const int r0 = m0 + 64 * c;  // this warpgroup's first row
+  const int diag = p.nk - p.nq;  // bottom-right causal: row i sees keys j <= i + diag
+  int rows[2], lim[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    rows[i] = r0 + 16 * warp + lane / 4 + 8 * i;
+    lim[i] = p.causal ? min(p.nk, rows[i] + diag + 1) : p.nk;
+  }
+  // Tiles [0, n_full) are visible to every row of the warpgroup; the rest are masked.
+  const int full_end = p.causal ? min(p.nk, r0 + diag + 1) : p.nk;
+  const int n_full = full_end > 0 ? full_end / BN : 0;
+  Row r[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) r[i] = Row{-KL_INF, 0.f, -KL_INF, 0.f, 0.f, 0.f};
+  float s1[NR], s2[NR];
+  const unsigned q1 = base + OFF_Q1 + c * Q1_WG, q2 = base + OFF_Q2 + c * Q2_WG;
+  mbar_wait(bar_q, 0);
+#if PINGPONG
+  if (c == NWG - 1 && n_tiles > 0) named_arrive(1, 256);  // the first turn is warpgroup 0's
+#endif
+  for (int t = 0; t < n_tiles; ++t) {
+    const int stage = t % STAGES;
+    const unsigned phase = (t / STAGES) & 1;
+    mbar_wait(full + 8 * stage, phase);
+#if PINGPONG
+    named_sync(1 + c, 256);
+#endif
+    fence_regs<NR>(s1);
+    fence_regs<NR>(s2);
+    wgmma_fence();
+    gemm<D1P>(s1, q1, base + OFF_K1 + stage * K1_ST);
+    wgmma_commit();
+    gemm<D2P>(s2, q2, base + OFF_K2 + stage * K2_ST);
+    wgmma_commit();
+#if PINGPONG
+    if (!(c == NWG - 1 && t == n_tiles - 1)) named_arrive(1 + (c + 1) % NWG, 256);
+#endif
+    wgmma_wait<1>();
+    fence_regs<NR>(s1);
+    const bool masked = t >= n_full;
+    const int cb = t * BN + 2 * (lane & 3);  // this thread's first column in the tile
+    const int rel[2] = {lim[0] - cb, lim[1] - cb};
+    if (masked)
+      update1<true>(s1, r, p.c1, rel);
+    else
+      update1<false>(s1, r, p.c1, rel);
+    wgmma_wait<0>();
+    fence_regs<NR>(s2);
+    if (tid == 0) mbar_arrive(empty + 8 * stage);
+#if !WS
+    if (c == 0 && tid == 0 && t + STAGES < n_tiles) {
+      mbar_wait(empty + 8 * stage, phase);
+      load_k(p, base, full, t + STAGES, h1, h2, b);
+    }
+    __syncwarp();  // warp 0 reconverges before its next wgmma (.sync.aligned)
+#endif
+    if (masked)
+      update2<true>(s1, s2, r, p.c2, rel);
+    else
+      update2<false>(s1, s2, r, p.c2, rel);
+  }
+  finish(p, r, rows, lane, out0);
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1) kl_fwd(const __grid_constant__ Params p) {
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  const unsigned base = (smem_addr(smem_raw) + 1023u) & ~1023u;
+  const unsigned bar_q = base + OFF_BAR, full = bar_q + 8, empty = full + 8 * STAGES;
+  const int mt = p.m_tiles - 1 - (int)blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  const int m0 = mt * BM;
+  const int hi = p.causal ? min(p.nk, m0 + BM + p.nk - p.nq) : p.nk;  // keys this CTA sees
+  const int n_tiles = hi > 0 ? (hi + BN - 1) / BN : 0;
+  const int h1 = h / p.g1, h2 = h / p.g2;
+  const long long out0 = ((long long)b * p.h + h) * p.nq;
+  const int tid = threadIdx.x;
+  unsigned dyn_smem;
+  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_smem));
+  if (dyn_smem < SMEM_BYTES) __trap();  // the host's copy of SMEM_BYTES disagrees
+  if (tid == 0) {
+    mbar_init(bar_q, 1);
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(full + 8 * s, 1);
+      mbar_init(empty + 8 * s, NWG);
+    }
+    mbar_init_fence();
+    tma_prefetch(&p.q1);
+    tma_prefetch(&p.k1);
+    tma_prefetch(&p.q2);
+    tma_prefetch(&p.k2);
+  }
+  __syncthreads();
+#if WS
+  if (tid < 128) {
+    regs_dec<REG_PROD>();
+    if (tid == 0) {
+      load_q(p, base, bar_q, m0, h, b);
+      for (int t = 0; t < n_tiles; ++t) {
+        mbar_wait(empty + 8 * (t % STAGES), ((t / STAGES) & 1) ^ 1);
+        load_k(p, base, full, t, h1, h2, b);
+      }
+    }
+    return;
+  }
+  regs_inc<REG_CONS>();
+  consume(p, tid / 128 - 1, tid % 128, base, m0, n_tiles, h1, h2, b, out0);
+#else
+  if (tid == 0) {
+    load_q(p, base, bar_q, m0, h, b);
+    for (int t = 0; t < n_tiles && t < STAGES; ++t) load_k(p, base, full, t, h1, h2, b);
+  }
+  consume(p, tid / 128, tid % 128, base, m0, n_tiles, h1, h2, b, out0);
+#endif
+}

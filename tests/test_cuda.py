@@ -1,0 +1,204 @@
+"""The cuda backend's forward (streamkl/backends/cuda): every shipped kernel instantiation
+compiles for sm_90a within its register and shared-memory budget with no spills (CPU: NVRTC
+needs no GPU); which inputs `supports` admits; and, on an sm_90 GPU (marked gpu), the kernel
+against the float64 oracle at tile edges, on strided and transposed views read in place, at
+extreme logits, and through the op with the triton backward behind it.
+
+The op-level contract (reductions, empty rows, gradients, opcheck, torch.compile) is
+tests/test_backends.py's, which runs on this backend wherever its `supports` admits the inputs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import streamkl
+from streamkl import _dispatch
+from streamkl.testing import make_inputs
+
+from .tolerance import Expected
+
+pytest.importorskip("cuda.core")
+
+from streamkl.backends import cuda as backend  # noqa: E402
+from streamkl.backends.cuda import _jit, _launch  # noqa: E402
+
+
+def _on_sm90() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+gpu = pytest.mark.gpu
+sm90 = pytest.mark.skipif(not _on_sm90(), reason="needs an sm_90 GPU")
+
+
+# ---- CPU: the builds ----
+
+
+@pytest.mark.parametrize(
+    "consts",
+    _launch.shipped_instantiations(),
+    ids=lambda c: f"{'fp16' if c['KL_FP16'] else 'bf16'}-d{c['D1P']}x{c['D2P']}-s{c['STAGES']}",
+)
+def test_shipped_kernels_compile_within_budget(consts):
+    build = _jit.compile_kernel(_launch.source(), _launch.ENTRY, consts)
+    threads = _launch.threads(consts)
+    budget = min(255, (65536 // threads) // 8 * 8)  # what __launch_bounds__(threads, 1) allows
+    assert build.registers <= budget, build.log
+    assert build.spill_bytes == 0 and build.stack_bytes == 0, build.log
+    assert "serialized" not in build.log and "warning" not in build.log.lower(), build.log
+    assert _launch.smem_bytes(consts) <= _launch.SMEM_LIMIT
+
+
+def test_every_supported_head_dim_has_a_shipped_kernel():
+    shipped = {(c["D1P"], c["D2P"], c["KL_FP16"]) for c in _launch.shipped_instantiations()}
+    for d1 in range(1, _launch.MAX_D + 1):
+        for d2 in (1, 64, 65, 128):
+            for fp16 in (0, 1):
+                assert (_launch.padded_dim(d1), _launch.padded_dim(d2), fp16) in shipped
+
+
+def test_tma_layout_rules():
+    """The strides TMA addresses in place: (B, N, H, D) transposed views and fused QKV slices
+    yes; a base off 16 bytes, a strided last dim or rows of 3 elements no."""
+    q = torch.empty(2, 40, 3, 4, 64, dtype=torch.bfloat16)  # (B, N, qkv, H, D)
+    assert _launch.tma_reason(q[:, :, 0].transpose(1, 2), "q1") is None
+    assert _launch.tma_reason(torch.empty(1, 2, 9, 16, dtype=torch.float16), "q1") is None
+    assert "16-byte" in _launch.tma_reason(
+        torch.empty(1000, dtype=torch.bfloat16)[3:515].view(1, 2, 16, 16), "k1"
+    )
+    assert "last dim" in _launch.tma_reason(torch.empty(1, 2, 16, 64, dtype=torch.bfloat16).mT, "k1")
+    assert "strides" in _launch.tma_reason(torch.empty(1, 2, 16, 3, dtype=torch.bfloat16), "q2")
+    assert _launch.tma_reason(torch.empty(1, 1, 1, 3, dtype=torch.bfloat16), "q2") is None  # one row
+
+
+def test_supports_refuses_what_it_cannot_run_on_cpu():
+    q = torch.randn(1, 2, 8, 64, dtype=torch.bfloat16)
+    assert "CUDA tensors" in backend.supports(q, q, q, q)
+    assert backend.BACKWARD == "triton"
+
+
+# ---- GPU: the kernel against the oracle ----
+
+
+def _forward(inputs, causal, scale1=None, scale2=None):
+    q1, k1, q2, k2 = inputs
+    s1 = 1 / math.sqrt(q1.shape[-1]) if scale1 is None else scale1
+    s2 = 1 / math.sqrt(q2.shape[-1]) if scale2 is None else scale2
+    return backend.forward(
+        q1, k1, q2, k2, causal=causal, scale1=s1, scale2=s2, cu_seqlens=None, max_seqlen=None
+    )
+
+
+def _check(inputs, causal, **scales):
+    assert _dispatch.why_not("cuda", *inputs) is None
+    kl, lse1, lse2 = _forward(inputs, causal, **scales)
+    torch.cuda.synchronize()
+    expected = Expected(inputs, causal=causal, **scales)
+    expected.check_kl(kl)
+    expected.check_lse(lse1, lse2)
+    return kl
+
+
+# (nq, nk): below one tile, one tile, a key past it, ragged, Nq != Nk both ways.
+EDGES = [(1, 1), (5, 7), (64, 64), (65, 63), (127, 129), (128, 128), (129, 257), (200, 77), (77, 300)]
+
+
+@gpu
+@sm90
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("nq,nk", EDGES)
+def test_tile_edges(nq, nk, causal):
+    for dtype in (torch.bfloat16, torch.float16):
+        inputs = make_inputs(b=2, h=4, hk1=2, hk2=1, nq=nq, nk=nk, d1=128, d2=64, dtype=dtype, device="cuda",
+                             seed=nq * 7 + nk)  # fmt: skip
+        _check(inputs, causal)
+
+
+@gpu
+@sm90
+@pytest.mark.parametrize("d1,d2", [(64, 64), (64, 128), (128, 64), (128, 128), (16, 40), (96, 8), (120, 72)])
+def test_head_dims(d1, d2):
+    inputs = make_inputs(h=2, nq=150, nk=190, d1=d1, d2=d2, dtype=torch.bfloat16, device="cuda", seed=d1 + d2)
+    for causal in (False, True):
+        _check(inputs, causal, scale1=0.11, scale2=-0.07)  # a negative scale flips max and min
+
+
+@gpu
+@sm90
+def test_transposed_and_sliced_views_are_read_in_place():
+    """(B, N, H, D) storage passed as .transpose(1, 2) and the q, k slices of a fused QKV
+    projection: no copy (the tensor maps address the views' own memory)."""
+    qkv1 = torch.randn(2, 300, 3, 4, 128, device="cuda", dtype=torch.bfloat16)
+    qkv2 = torch.randn(2, 300, 3, 4, 64, device="cuda", dtype=torch.bfloat16)
+    inputs = (qkv1[:, :, 0].transpose(1, 2), qkv1[:, :, 1].transpose(1, 2),
+              qkv2[:, :, 0].transpose(1, 2), qkv2[:, :, 2].transpose(1, 2))  # fmt: skip
+    before = torch.cuda.memory_allocated()
+    kl, _, _ = _forward(inputs, True)
+    assert torch.cuda.memory_allocated() - before <= 3 * kl.numel() * 4 + 3 * 512  # the outputs only
+    _check(inputs, True)
+    _check(inputs, False)
+
+
+@gpu
+@sm90
+def test_poisoned_outputs_are_overwritten_and_rows_that_see_nothing_are_empty():
+    inputs = make_inputs(h=2, nq=300, nk=100, d1=64, d2=64, dtype=torch.bfloat16, device="cuda", seed=1)
+    torch.cuda.empty_cache()
+    for _ in range(2):  # the caching allocator hands back memory holding the previous results
+        poison = torch.full((3, 2, 300), float("nan"), device="cuda")
+        del poison
+        kl, lse1, lse2 = _forward(inputs, True)
+        assert torch.isfinite(kl).all()
+        assert (kl[:, :, :200] == 0).all() and torch.isneginf(lse1[:, :, :200]).all()
+        assert torch.isfinite(lse2[:, :, 200:]).all()
+    _check(inputs, True)
+
+
+@gpu
+@sm90
+@pytest.mark.parametrize("std", [10.0, 50.0])
+def test_extreme_logits_stay_finite(std):
+    """|S| up to ~1e4 at D = 128: one-hot rows on both sides, no NaN or inf, within the rule."""
+    inputs = make_inputs(
+        h=2, nq=130, nk=260, d1=128, d2=128, dtype=torch.bfloat16, device="cuda", seed=4, std=std
+    )
+    s = inputs[0][0, 0].double() @ inputs[1][0, 0].double().T / math.sqrt(128)
+    assert s.abs().max() > (300 if std < 20 else 8e3)
+    for causal in (False, True):
+        kl = _check(inputs, causal)
+        assert torch.isfinite(kl).all()
+
+
+@gpu
+@sm90
+def test_op_runs_the_triton_backward_behind_the_cuda_forward():
+    inputs = make_inputs(h=4, hk2=2, nq=96, nk=160, d1=64, d2=128, dtype=torch.bfloat16, device="cuda",
+                         layout="bnhd", seed=3, requires_grad=True)  # fmt: skip
+    kl = streamkl.attn_kl(*inputs, causal=True, backend="cuda")
+    grads = torch.autograd.grad(kl.sum(), inputs)
+    ref = streamkl.attn_kl(*inputs, causal=True, backend="triton")
+    ref_grads = torch.autograd.grad(ref.sum(), inputs)
+    torch.testing.assert_close(kl, ref, atol=1e-4, rtol=1e-4)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, atol=2e-2, rtol=2e-2)
+
+
+@gpu
+@sm90
+def test_side_stream_and_no_host_sync():
+    inputs = make_inputs(h=2, nq=256, nk=256, d1=128, d2=128, dtype=torch.bfloat16, device="cuda", seed=8)
+    want, _, _ = _forward(inputs, False)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda.set_sync_debug_mode("error")  # any host sync in the launch path raises
+        try:
+            got, _, _ = _forward(inputs, False)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.current_stream().wait_stream(side)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
