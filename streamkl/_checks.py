@@ -33,6 +33,10 @@ def check_reduction(reduction: str) -> None:
 
 def check_inputs(q1, k1, q2, k2, cu_seqlens=None, max_seqlen=None) -> Problem:
     """Shapes, dtypes and devices. Metadata only: safe on fake tensors and under tracing."""
+    if cu_seqlens is None and max_seqlen is None:
+        problem = _valid_dense(q1, k1, q2, k2)
+        if problem is not None:
+            return problem
     names = ("q1", "k1", "q2", "k2")
     tensors = (q1, k1, q2, k2)
     for name, t in zip(names, tensors):
@@ -79,6 +83,47 @@ def check_inputs(q1, k1, q2, k2, cu_seqlens=None, max_seqlen=None) -> Problem:
     elif max_seqlen is not None:
         raise ValueError("max_seqlen is only meaningful with cu_seqlens")
     return Problem(b, h, k1.shape[1], k2.shape[1], nq, nk, q1.shape[-1], q2.shape[-1])
+
+
+def _valid_dense(q1, k1, q2, k2) -> Problem | None:
+    """The Problem of a valid call without packed sequences in one pass over the metadata, or
+    None: then check_inputs walks every rule and names what is wrong."""
+    Tensor = torch.Tensor
+    if not (
+        isinstance(q1, Tensor)
+        and isinstance(k1, Tensor)
+        and isinstance(q2, Tensor)
+        and isinstance(k2, Tensor)
+    ):
+        return None
+    if not (q1.dim() == k1.dim() == q2.dim() == k2.dim() == 4):
+        return None
+    b, h, nq, d1 = q1.shape
+    bk1, hk1, nk, dk1 = k1.shape
+    b2, h2, nq2, d2 = q2.shape
+    bk2, hk2, nk2, dk2 = k2.shape
+    valid = (
+        bk1 == b
+        and b2 == b
+        and bk2 == b
+        and h2 == h
+        and nq2 == nq
+        and nk2 == nk
+        and dk1 == d1
+        and dk2 == d2
+        and d1 > 0
+        and d2 > 0
+        and hk1 > 0
+        and hk2 > 0
+        and h % hk1 == 0
+        and h % hk2 == 0
+        and q1.dtype == k1.dtype
+        and q2.dtype == k2.dtype
+        and q1.dtype in _DTYPES
+        and q2.dtype in _DTYPES
+        and q1.device == k1.device == q2.device == k2.device
+    )
+    return Problem(b, h, hk1, hk2, nq, nk, d1, d2) if valid else None
 
 
 def _check_cu_seqlens_meta(cu_seqlens, b, nq, nk, device) -> None:
