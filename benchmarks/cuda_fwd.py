@@ -113,6 +113,40 @@ def time_shape(d, n, causal, variants):
     return row
 
 
+def diagnose(variants):
+    """Large grids against the float64 oracle with NaN-poisoned outputs: one wave with long key
+    loops, many waves with short ones, the benchmark shape (heads compared on slices). Reads the
+    outputs once before synchronizing (stream order) and once after."""
+    found = []
+    cases = [(2, 8192, 128, False), (264, 200, 128, True), (32, 8192, 128, False), (32, 8192, 64, True)]
+    for v in variants:
+        for h, n, d, causal in cases:
+            inputs = make_inputs(
+                b=1, h=h, nq=n, nk=n, d1=d, d2=d, dtype=torch.bfloat16, device="cuda", seed=h + n
+            )
+            outs = tuple(torch.full((1, h, n), float("nan"), device="cuda") for _ in range(3))
+            q1, k1, q2, k2 = inputs
+            s1 = s2 = 1 / math.sqrt(d)
+            c = consts_for(v, d, d, torch.bfloat16)
+            _launch.forward(q1, k1, q2, k2, causal=causal, scale1=s1, scale2=s2, consts=c, out=outs)
+            nan_in_order = bool(torch.isnan(outs[0]).any())  # stream-ordered after the kernel
+            torch.cuda.synchronize()
+            nan_after = bool(torch.isnan(outs[0]).any())
+            heads = [0, 1] if h <= 2 else [0, h - 1]
+            errs = []
+            for hh in heads:
+                sl = [t[:, hh : hh + 1].double() for t in inputs]
+                ref = dense_attn_kl(*sl, causal=causal)
+                errs.append(rel_err(outs[0][:, hh : hh + 1], ref))
+            tri = streamkl.attn_kl(*inputs, causal=causal, backend="triton")
+            vs_triton = rel_err(outs[0], tri)
+            row = dict(variant=v, h=h, n=n, d=d, causal=causal, nan_in_order=nan_in_order,
+                       nan_after=nan_after, rel_err_f64=max(errs), vs_triton=vs_triton)  # fmt: skip
+            print(row, flush=True)
+            found.append(row)
+    return found
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
@@ -120,6 +154,9 @@ def main():
     ap.add_argument("--sizes", default="8192,16384")
     ap.add_argument("--skip-bench", action="store_true")
     ap.add_argument("--small", action="store_true", help="the small checks only (for compute-sanitizer)")
+    ap.add_argument(
+        "--diagnose", action="store_true", help="multi-wave and long-key checks, poisoned outputs"
+    )
     args = ap.parse_args()
     variants = args.variants.split(",")
     if args.small:
@@ -156,6 +193,11 @@ def main():
                 flush=True,
             )
 
+    if args.diagnose:
+        out["diagnose"] = diagnose(variants)
+        if args.json:
+            json.dump(out, open(args.json, "w"), indent=1)
+        return
     good = []
     for v in variants:
         if check(v, out["checks"]) < 1e-4:

@@ -10,7 +10,9 @@ import functools
 import torch
 
 BACKWARD = "triton"  # no CUDA backward yet: the op runs triton's on this forward's statistics
-AUTO = False  # not yet measured faster than the triton forward on the H200 (docs/cuda.md)
+# Out of auto: without a split-K path it is unmeasured (and expected slower than triton) at
+# decode-like shapes, and its large-grid results still await a check (docs/cuda.md, Measured).
+AUTO = False
 
 _DTYPES = (torch.bfloat16, torch.float16)
 _MAX_GRID_YZ = 65535  # heads ride on grid y, the batch on grid z
