@@ -10,8 +10,8 @@ import functools
 import torch
 
 BACKWARD = "triton"  # no CUDA backward yet: the op runs triton's on this forward's statistics
-# Out of auto: without a split-K path it is unmeasured (and expected slower than triton) at
-# decode-like shapes, and its large-grid results still await a check (docs/cuda.md, Measured).
+# Out of auto although faster at the benchmark shape: without a split-K path it is unmeasured
+# (and expected slower than triton) at decode-like shapes (docs/cuda.md).
 AUTO = False
 
 _DTYPES = (torch.bfloat16, torch.float16)
