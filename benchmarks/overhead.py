@@ -67,9 +67,11 @@ def _direct(module, inputs, needs):
     def fwd():
         return module.forward(q1, k1, q2, k2, **kw)
 
+    backward = _dispatch.backward_of(module).backward  # a forward-only backend borrows one
+
     def fwd_bwd():
         kl, lse1, lse2 = fwd()
-        return module.backward(torch.ones_like(kl), q1, k1, q2, k2, kl, lse1, lse2, **kw, needs=needs)
+        return backward(torch.ones_like(kl), q1, k1, q2, k2, kl, lse1, lse2, **kw, needs=needs)
 
     return fwd, fwd_bwd
 
