@@ -272,8 +272,13 @@ def attn_kl(
         _env.check_all()
         max_seqlen = _checks.resolve_max_seqlen(cu_seqlens, max_seqlen, problem.nq)
         module = _dispatch.select(q1, k1, q2, k2, cu_seqlens, backend)
-        args = (module, q1, k1, q2, k2, causal, scale1, scale2, cu_seqlens, max_seqlen, reduction, rows)
-        return _AttnKL.apply(*args)
+        if torch.is_grad_enabled() and (
+            q1.requires_grad or k1.requires_grad or q2.requires_grad or k2.requires_grad
+        ):
+            args = (module, q1, k1, q2, k2, causal, scale1, scale2, cu_seqlens, max_seqlen, reduction, rows)
+            return _AttnKL.apply(*args)
+        kl, _, _ = _forward(module, q1, k1, q2, k2, causal, scale1, scale2, cu_seqlens, max_seqlen)
+        return _reduce(kl, reduction, rows)  # nothing to differentiate: no autograd node
     _dispatch.check_name(backend)
     kl, _, _ = attn_kl_fwd(q1, k1, q2, k2, causal, scale1, scale2, cu_seqlens, max_seqlen, backend)
     return _reduce(kl, reduction, rows)

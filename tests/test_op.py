@@ -130,6 +130,19 @@ def test_a_forward_only_backend_borrows_the_named_backward(monkeypatch):
     assert len(forwards) == 2 and len(backwards) == 2
 
 
+def test_a_call_with_nothing_to_differentiate_builds_no_node():
+    q1, k1, q2, k2 = make_inputs(h=2, nq=6, nk=9, dtype=torch.float64)
+    q2 = q2.clone().requires_grad_()
+    with_grad = streamkl.attn_kl(q1, k1, q2, k2, causal=True, reduction="mean")
+    assert with_grad.grad_fn is not None
+    with torch.no_grad():
+        without = streamkl.attn_kl(q1, k1, q2, k2, causal=True, reduction="mean")
+    plain = streamkl.attn_kl(q1, k1, q2.detach(), k2, causal=True, reduction="mean")
+    for kl in (without, plain):
+        assert kl.grad_fn is None and not kl.requires_grad
+        assert torch.equal(kl, with_grad.detach())
+
+
 def _counted(calls, fn):
     def counted(*args, **kwargs):
         calls.append(1)
