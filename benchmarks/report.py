@@ -258,7 +258,9 @@ def plots(data: dict, out: Path) -> list[Path]:
             _panel(axes[i][j], recs, quantity, gemms)
             axes[i][j].set_title(f"{mode}, {'causal' if causal else 'full'}, {SHORT_DTYPE.get(dtype, dtype)}")
         written.append(_save(fig, plt, out / name))
-    fwd = [r for r in data["records"] if (r["mode"], r["status"]) == ("fwd", "ok") and "kl" in r["error"]]
+    fwd = [
+        r for r in data["records"] if (r["mode"], r["status"]) == ("fwd", "ok") and "kl" in r.get("error", {})
+    ]
     fig, ax = plt.subplots(figsize=(6, 4.2))
     for prov in dict.fromkeys(r["provider"] for r in fwd):
         pts = [(r["ms"], max(r["error"]["kl"], 1e-17)) for r in fwd if r["provider"] == prov]

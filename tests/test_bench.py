@@ -4,6 +4,7 @@ than fatal, the FLOP count, and the README's generated headline."""
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import re
@@ -119,6 +120,18 @@ def test_smoke_run_writes_markdown_and_plots(smoke_run):
     assert "torch-fp32" in cells[10] and "torch.compile-fp32" in cells[10]
     for name in ("tflops_vs_n.png", "time_vs_n.png", "error_vs_time.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_report_renders_a_yardstick_record(smoke_run, tmp_path):
+    """A yardstick (the cuDNN attention forward, CUDA only) is timed but never checked: its
+    record has no error, and the tables and plots still render."""
+    _, data = smoke_run
+    data = copy.deepcopy(data)
+    timed = next(r for r in data["records"] if r["status"] == "ok" and r["mode"] == "fwd")
+    yardstick = {k: v for k, v in timed.items() if k != "error"}
+    data["records"].append({**yardstick, "provider": "attention-cudnn", "kind": "yardstick"})
+    assert "attention-cudnn" in report.markdown(data)
+    assert [p.name for p in report.plots(data, tmp_path)][-1] == "error_vs_time.png"
 
 
 def test_report_rerenders_from_json(smoke_run, tmp_path):
