@@ -159,9 +159,11 @@ def _row(name, backend, inputs, args, ref):
     def fwd():
         return backend.forward(*inputs, **kw)
 
+    backward = _dispatch.backward_of(backend).backward  # a forward-only backend borrows one
+
     def fwd_bwd(q1, k1, q2, k2, grad):
         out = backend.forward(q1, k1, q2, k2, **kw)
-        return (*out, *backend.backward(grad, q1, k1, q2, k2, *out, **kw, needs=(True,) * 4))
+        return (*out, *backward(grad, q1, k1, q2, k2, *out, **kw, needs=(True,) * 4))
 
     (kl, _, _), fwd_s = _wall(fwd, device)  # the first call: JIT warm-up and the check
     err = ((kl.double() - ref).abs() / ref.abs().clamp_min(1.0)).max().item()
@@ -219,7 +221,10 @@ def main(argv=None) -> int:
     for name in names:
         reason = available[name]
         if reason is None:
-            row, ok = _row(name, _dispatch.module(name), inputs, args, ref)
+            module = _dispatch.module(name)
+            borrowed = getattr(module, "BACKWARD", None)
+            label = f"{name} (+{borrowed} backward)" if borrowed else name
+            row, ok = _row(label, module, inputs, args, ref)
             rows.append(row)
             status = status or (0 if ok else 1)
             continue

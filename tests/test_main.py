@@ -124,3 +124,17 @@ def test_command_line_prints_no_traceback_and_imports_no_bench():
     )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
+
+
+def test_a_forward_only_backend_runs_with_the_backward_it_borrows(capsys, monkeypatch):
+    """A backend without a backward of its own (the cuda one) gets a row: its forward, timed with
+    the backward it names."""
+    from streamkl import _dispatch
+
+    cuda, reference = _dispatch.module("cuda"), _dispatch.module("reference")
+    monkeypatch.setattr(cuda, "supports", lambda *args, **kwargs: None)
+    monkeypatch.setattr(cuda, "forward", reference.forward)
+    monkeypatch.setattr(cuda, "BACKWARD", "reference")
+    assert main([*SMALL, "--device", "cpu", "--backend", "cuda"]) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if "cuda (+reference backward)" in line)
+    assert " ok " in row
