@@ -136,23 +136,27 @@ def measure(device, dtype, n, backends, calls, repeats, compiled=True):
     return rows
 
 
-def profile(device, dtype, n, backend, calls):
-    """The hottest functions of `calls` eager forward+backward calls of the public op."""
-    inputs = make_inputs(b=1, h=1, nq=n, nk=n, d1=64, d2=64, dtype=dtype, device=device)
-    leaves = [t.detach().clone().requires_grad_(i >= 2) for i, t in enumerate(inputs)]
-    step = _op_fwd_bwd(leaves, backend)
+def cprofile_table(fn, device, calls, lines=30) -> str:
+    """cProfile's hottest functions, by own time, of `calls` runs of fn after 5 warm-up runs."""
     for _ in range(5):
-        step()
+        fn()
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(calls):
-        step()
+        fn()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     prof.disable()
     out = io.StringIO()
-    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(30)
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(lines)
     return out.getvalue()
+
+
+def profile(device, dtype, n, backend, calls):
+    """The hottest functions of `calls` eager forward+backward calls of the public op."""
+    inputs = make_inputs(b=1, h=1, nq=n, nk=n, d1=64, d2=64, dtype=dtype, device=device)
+    leaves = [t.detach().clone().requires_grad_(i >= 2) for i, t in enumerate(inputs)]
+    return cprofile_table(_op_fwd_bwd(leaves, backend), device, calls)
 
 
 def main(argv=None):

@@ -13,14 +13,11 @@ Each row is the median per-call time of 200 back-to-back calls and one sync (ben
 from __future__ import annotations
 
 import argparse
-import cProfile
-import io
-import pstats
 import time
 from pathlib import Path
 
 import torch
-from overhead import _per_call_us  # benchmarks/ is on the path when run as a script
+from overhead import _per_call_us, cprofile_table  # benchmarks/ is on the path when run as a script
 
 import streamkl
 from streamkl import _dispatch
@@ -30,17 +27,7 @@ from streamkl.testing import make_inputs
 def _profile(name, fn, dev, calls, out: Path):
     """cProfile (Python, by own time) and torch.profiler (ops and CUDA API calls, by self CPU
     time) of `calls` runs of fn on the calling thread; writes both, prints the heads."""
-    for _ in range(5):
-        fn()
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(calls):
-        fn()
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-    prof.disable()
-    text = io.StringIO()
-    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(40)
+    text = cprofile_table(fn, dev, calls, 40)
     activities = [torch.profiler.ProfilerActivity.CPU]
     if dev.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -51,10 +38,10 @@ def _profile(name, fn, dev, calls, out: Path):
             torch.cuda.synchronize(dev)
     table = tp.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)
     slug = "".join(c if c.isalnum() else "_" for c in name.strip(" .")).strip("_")[:60]
-    (out / f"{slug}.cprofile.txt").write_text(text.getvalue())
+    (out / f"{slug}.cprofile.txt").write_text(text)
     (out / f"{slug}.torchprof.txt").write_text(table)
     print(f"--- {name}: cProfile, {calls} calls")
-    print("\n".join(text.getvalue().splitlines()[:32]))
+    print("\n".join(text.splitlines()[:32]))
     print(f"--- {name}: torch.profiler, {calls} calls")
     print("\n".join(table.splitlines()[:28]), flush=True)
 
