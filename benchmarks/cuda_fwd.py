@@ -24,19 +24,28 @@ from streamkl.backends.cuda import _jit, _launch
 from streamkl.testing import dense_attn_kl, make_inputs, rel_err
 
 BASE = dict(KL_FP16=0, D1P=128, D2P=128)
-# The stages of docs/cuda.md (the 3-warpgroup variants it lists lost and are gone).
+# The stages of docs/cuda.md (the 3-warpgroup variants it lists lost and are gone); d-lag is
+# c-pingpong2 (at D = 128 the shipped constants) with the lagged running max (kl_fwd.cu's header).
 VARIANTS = {
     "a-plain": dict(NWG=2, BN=128, STAGES=2, WS=0, PINGPONG=0),
     "b-ws": dict(NWG=2, BN=128, STAGES=2, WS=1, PINGPONG=0),
     "c-pingpong2": dict(NWG=2, BN=128, STAGES=2, WS=1, PINGPONG=1),
+    "d-lag": dict(NWG=2, BN=128, STAGES=2, WS=1, PINGPONG=1, LAG=1),
 }
-CHECKS = [  # (b, h, hk1, hk2, nq, nk, d1, d2, layout, causal, dtype)
+TIMED_AT_D64 = ("c-pingpong2", "d-lag")
+# (b, h, hk1, hk2, nq, nk, d1, d2, layout, causal, dtype[, dict(std=, scale1=, scale2=)]): std
+# scales the random inputs (std 50 at D = 128: |S * scale| up to ~1e4), the scales default to
+# 1 / sqrt(d).
+CHECKS = [
     (2, 4, 4, 4, 1000, 1000, 128, 128, "bhnd", False, torch.bfloat16),
     (2, 4, 4, 4, 1000, 1000, 128, 128, "bhnd", True, torch.bfloat16),
     (1, 8, 2, 1, 333, 777, 128, 64, "bnhd", True, torch.bfloat16),
     (1, 8, 1, 4, 515, 130, 64, 128, "bnhd", True, torch.float16),
     (1, 2, 2, 2, 37, 53, 128, 128, "bhnd", False, torch.float16),
     (1, 2, 2, 2, 1, 1, 64, 64, "bhnd", False, torch.bfloat16),
+    (1, 4, 4, 4, 300, 900, 128, 128, "bhnd", False, torch.bfloat16, dict(std=50.0)),
+    (1, 4, 2, 2, 300, 900, 128, 128, "bhnd", True, torch.bfloat16, dict(std=10.0)),
+    (1, 4, 4, 2, 260, 700, 128, 64, "bnhd", True, torch.bfloat16, dict(std=20.0, scale1=-0.1, scale2=0.06)),
 ]
 
 
@@ -48,23 +57,27 @@ def consts_for(variant, d1, d2, dtype):
     return c
 
 
-def run_cuda(inputs, causal, consts):
+def run_cuda(inputs, causal, consts, scale1=None, scale2=None):
     q1, k1, q2, k2 = inputs
-    s1, s2 = 1 / math.sqrt(q1.shape[-1]), 1 / math.sqrt(q2.shape[-1])
+    s1 = 1 / math.sqrt(q1.shape[-1]) if scale1 is None else scale1
+    s2 = 1 / math.sqrt(q2.shape[-1]) if scale2 is None else scale2
     return _launch.forward(q1, k1, q2, k2, causal=causal, scale1=s1, scale2=s2, consts=consts)
 
 
 def check(variant, log):
     worst = 0.0
-    for b, h, hk1, hk2, nq, nk, d1, d2, layout, causal, dtype in CHECKS:
+    for b, h, hk1, hk2, nq, nk, d1, d2, layout, causal, dtype, *extra in CHECKS:
+        opts = extra[0] if extra else {}
         consts = consts_for(variant, d1, d2, dtype)
+        std = opts.get("std", 1.0)
         inputs = make_inputs(b=b, h=h, hk1=hk1, hk2=hk2, nq=nq, nk=nk, d1=d1, d2=d2, dtype=dtype,
-                             device="cuda", layout=layout, seed=nq + nk)  # fmt: skip
+                             device="cuda", layout=layout, seed=nq + nk, std=std)  # fmt: skip
+        scales = dict(scale1=opts.get("scale1"), scale2=opts.get("scale2"))
         poison = torch.full((3, b, h, nq), float("nan"), device="cuda")
         del poison  # the outputs reuse this memory
-        kl, lse1, lse2 = run_cuda(inputs, causal, consts)
+        kl, lse1, lse2 = run_cuda(inputs, causal, consts, **scales)
         torch.cuda.synchronize()
-        ref, r1, r2 = dense_attn_kl(*(t.double() for t in inputs), causal=causal, return_lse=True)
+        ref, r1, r2 = dense_attn_kl(*(t.double() for t in inputs), causal=causal, return_lse=True, **scales)
         finite = torch.isfinite(r1)  # rows that see a key
         ok_inf = torch.equal(torch.isneginf(lse1), torch.isneginf(r1)) and torch.equal(
             torch.isneginf(lse2), torch.isneginf(r2)
@@ -73,10 +86,10 @@ def check(variant, log):
         lerr = (
             max(rel_err(lse1[finite], r1[finite]), rel_err(lse2[finite], r2[finite])) if finite.any() else 0.0
         )
-        nan = bool(torch.isnan(kl).any() or torch.isnan(lse1).any())
+        nan = bool(torch.isnan(kl).any() or torch.isnan(lse1).any() or torch.isnan(lse2).any())
         good = ok_inf and not nan and err < 1e-4 and lerr < 1e-5
         worst = max(worst, err if good else math.inf)
-        case = str((b, h, hk1, hk2, nq, nk, d1, d2, layout, causal, str(dtype)))
+        case = str((b, h, hk1, hk2, nq, nk, d1, d2, layout, causal, str(dtype), *extra))
         verdict = "ok" if good else "FAIL"
         print(f"  check {variant} {case}: kl rel err {err:.2e} lse {lerr:.2e} nan={nan} "
               f"-inf rows ok={ok_inf} -> {verdict}", flush=True)  # fmt: skip
@@ -226,7 +239,7 @@ def main():
     for d in (128, 64):
         for n in sizes if d == 128 else sizes[:1]:
             for causal in (False, True):
-                row = time_shape(d, n, causal, good if d == 128 else [v for v in good if v.startswith("c-")])
+                row = time_shape(d, n, causal, good if d == 128 else [v for v in good if v in TIMED_AT_D64])
                 rows.append(row)
                 out["timings"].append(row)
                 print(row, flush=True)

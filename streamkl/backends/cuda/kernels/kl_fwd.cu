@@ -18,6 +18,28 @@
 //   each of its two rows and over its own quarter of the columns, m1, l1, m2, l2 and the sums
 //   aa = sum e1 * S1raw, ab = sum e1 * S2raw; the four threads of a row merge these once, after
 //   the last tile (no shuffle per tile). acc = c1 * aa - c2 * ab = sum e1 * (t1 - t2).
+// Lagged running max (LAG = 1; a variant, LAG = 0 ships): a thread's m1 / m2 are references,
+//   not maxima: l = sum 2^(t - m) over the thread's columns so far (aa, ab alike), and finish()
+//   merges any references exactly (w = 2^(m - M)), so lse = M + log2 L and the KL do not depend
+//   on which m a thread holds, only rounding does. From the second tile on, a row's exponentials
+//   use the m it had before the tile, so they need not wait for the tile's max; d = max (t - m)
+//   over its visible keys is reduced beside them. d <= LAG_T = 8: every e <= 2^8, the tile's sums
+//   add on and m stays. d > LAG_T: the row's tile is redone exactly as with LAG = 0 (m = max(m,
+//   tile max) first), from the raw scores, which stay in s1 / s2 until the decision (e1 goes to
+//   temporaries and into s1 only on the fast side). Why that is exact for every input:
+//   - Overflow: the invariant "every t seen so far is <= m + 8" holds after either side (the
+//     exact side only raises m), so e <= 2^8, l <= 2^8 Nk / 4 and aa, ab <= that times max |S|:
+//     finite while Nk max |S| < 2^120 (LAG = 0: 2^128). A jump of any size inside a tile
+//     (|S| ~ 1e4, a one-hot row whose hot key comes late) takes the exact side before any sum is
+//     kept; the fast side's exponentials and sums (+inf or NaN there) are discarded.
+//   - Underflow: m is a value some t reached, so m <= the running max: an e flushes to zero
+//     (t - m < -126) only where it would in the exact update too.
+//   - Empty and masked: invalid keys enter d as -inf and e as 0, as in the exact update; a thread
+//     that sees no key in a tile gets d = -inf (fast side, sums + 0), one that sees none at all
+//     keeps m = -inf, l = 0 (kl = 0, lse = -inf as with LAG = 0); m = -inf with a visible key
+//     gives d = +inf (exact side). The first tile always takes the exact side (m = -inf there).
+//   - Negative scales: d is the max of t = c S itself, so the fast side needs no min/max swap;
+//     the exact side keeps row_max's.
 // Tiles: Q of a consumer 64 x D (D padded to DP = 64 or 128 by TMA's zero fill), K tiles BN x D,
 //   all stored as 1024-byte-aligned slabs of 64 columns, 128-byte swizzled (the wgmma K-major
 //   SW128 layout). Keys past Nk and rows past Nq arrive as zeros; masked tiles (the ragged last
@@ -49,6 +71,9 @@
 #endif
 #ifndef PINGPONG
 #define PINGPONG 1
+#endif
+#ifndef LAG
+#define LAG 0
 #endif
 
 static_assert(D1P == 64 || D1P == 128, "D1P: 64 or 128");
@@ -175,59 +200,152 @@ struct Row {
   float m1, l1, m2, l2, aa, ab;
 };
 
-// The S1 half of a tile's update: m1, l1, aa (and ab's rescale); leaves e1 = 2^(t1 - m1) in s1.
+// The S1 half of row i's update: m1, l1, aa (and ab's rescale); leaves e1 = 2^(t1 - m1) in s1.
 template <bool MASK>
-KL_DEV void update1(float* s1, Row* r, float c1, const int* lim) {
+KL_DEV void row1(float* s1, Row& r, float c1, int lim, int i) {
+  const float mnew = fmaxf(r.m1, row_max<MASK>(s1, i, c1, lim));
+  const float mu = mnew == -KL_INF ? 0.f : mnew;
+  const float alpha = ex2(r.m1 - mu);
+  r.m1 = mnew;
+  const float nm = -mu;
+  float l0 = 0.f, l1 = 0.f, a0 = 0.f, a1 = 0.f;
 #pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const float mnew = fmaxf(r[i].m1, row_max<MASK>(s1, i, c1, lim[i]));
-    const float mu = mnew == -KL_INF ? 0.f : mnew;
-    const float alpha = ex2(r[i].m1 - mu);
-    r[i].m1 = mnew;
-    const float nm = -mu;
-    float l0 = 0.f, l1 = 0.f, a0 = 0.f, a1 = 0.f;
+  for (int j = 0; j < BN / 8; ++j) {
+    const int x = KL_IDX(j, i, 0), y = KL_IDX(j, i, 1);
+    float ex = ex2(fmaf(s1[x], c1, nm)), ey = ex2(fmaf(s1[y], c1, nm));
+    if (MASK) {
+      ex = 8 * j < lim ? ex : 0.f;
+      ey = 8 * j + 1 < lim ? ey : 0.f;
+    }
+    l0 += ex, l1 += ey;
+    a0 = fmaf(ex, s1[x], a0), a1 = fmaf(ey, s1[y], a1);
+    s1[x] = ex, s1[y] = ey;
+  }
+  r.l1 = fmaf(r.l1, alpha, l0 + l1);
+  r.aa = fmaf(r.aa, alpha, a0 + a1);
+  r.ab *= alpha;
+}
+
+// The S2 half of row i's update: m2, l2 and ab += e1 * S2 (s1 holds e1, zero on invalid keys).
+template <bool MASK>
+KL_DEV void row2(const float* s1, const float* s2, Row& r, float c2, int lim, int i) {
+  const float mnew = fmaxf(r.m2, row_max<MASK>(s2, i, c2, lim));
+  const float mu = mnew == -KL_INF ? 0.f : mnew;
+  const float alpha = ex2(r.m2 - mu);
+  r.m2 = mnew;
+  const float nm = -mu;
+  float l0 = 0.f, l1 = 0.f, a0 = 0.f, a1 = 0.f;
+#pragma unroll
+  for (int j = 0; j < BN / 8; ++j) {
+    const int x = KL_IDX(j, i, 0), y = KL_IDX(j, i, 1);
+    float ex = ex2(fmaf(s2[x], c2, nm)), ey = ex2(fmaf(s2[y], c2, nm));
+    if (MASK) {
+      ex = 8 * j < lim ? ex : 0.f;
+      ey = 8 * j + 1 < lim ? ey : 0.f;
+    }
+    l0 += ex, l1 += ey;
+    a0 = fmaf(s1[x], s2[x], a0), a1 = fmaf(s1[y], s2[y], a1);
+  }
+  r.l2 = fmaf(r.l2, alpha, l0 + l1);
+  r.ab += a0 + a1;
+}
+
+#if LAG
+// LAG = 1 (the header comment: what it does and why it is exact). row1_lag / row2_lag: the fast
+// side of one row's tile, or row1 / row2 (the exact update) when it does not apply.
+constexpr float LAG_T = 8.f;
+
+// One score's argument t - m and its exponential; an invalid key gives -inf and 0.
+template <bool MASK>
+KL_DEV void lag_elem(float s, float c, float nm, bool valid, float& t, float& e) {
+  t = fmaf(s, c, nm);
+  e = ex2(t);
+  if (MASK) t = valid ? t : -KL_INF, e = valid ? e : 0.f;
+}
+
+template <bool MASK>
+KL_DEV void row1_lag(float* s1, Row& r, float c1, int lim, int i, bool first) {
+  float e[BN / 4];
+  bool exact = true;
+  if (!first) {
+    const float nm = -r.m1;
+    float d0, d1, l0, l1, a0, a1;
 #pragma unroll
     for (int j = 0; j < BN / 8; ++j) {
       const int x = KL_IDX(j, i, 0), y = KL_IDX(j, i, 1);
-      float ex = ex2(fmaf(s1[x], c1, nm)), ey = ex2(fmaf(s1[y], c1, nm));
-      if (MASK) {
-        ex = 8 * j < lim[i] ? ex : 0.f;
-        ey = 8 * j + 1 < lim[i] ? ey : 0.f;
+      float tx, ty, ex, ey;
+      lag_elem<MASK>(s1[x], c1, nm, 8 * j < lim, tx, ex);
+      lag_elem<MASK>(s1[y], c1, nm, 8 * j + 1 < lim, ty, ey);
+      if (j == 0) {
+        d0 = tx, d1 = ty, l0 = ex, l1 = ey, a0 = ex * s1[x], a1 = ey * s1[y];
+      } else {
+        d0 = fmaxf(d0, tx), d1 = fmaxf(d1, ty), l0 += ex, l1 += ey;
+        a0 = fmaf(ex, s1[x], a0), a1 = fmaf(ey, s1[y], a1);
       }
-      l0 += ex, l1 += ey;
-      a0 = fmaf(ex, s1[x], a0), a1 = fmaf(ey, s1[y], a1);
-      s1[x] = ex, s1[y] = ey;
+      e[2 * j] = ex, e[2 * j + 1] = ey;
     }
-    r[i].l1 = fmaf(r[i].l1, alpha, l0 + l1);
-    r[i].aa = fmaf(r[i].aa, alpha, a0 + a1);
-    r[i].ab *= alpha;
+    fence_regs<BN / 4>(e);  // the exponentials run before the decision, not sunk into its fast side
+    exact = fmaxf(d0, d1) > LAG_T;
+    if (!exact) r.l1 += l0 + l1, r.aa += a0 + a1;
+  }
+  if (exact) {
+    row1<MASK>(s1, r, c1, lim, i);
+  } else {
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j) s1[KL_IDX(j, i, 0)] = e[2 * j], s1[KL_IDX(j, i, 1)] = e[2 * j + 1];
   }
 }
 
-// The S2 half: m2, l2 and ab += e1 * S2 (s1 holds e1, zero on invalid keys).
 template <bool MASK>
-KL_DEV void update2(const float* s1, const float* s2, Row* r, float c2, const int* lim) {
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const float mnew = fmaxf(r[i].m2, row_max<MASK>(s2, i, c2, lim[i]));
-    const float mu = mnew == -KL_INF ? 0.f : mnew;
-    const float alpha = ex2(r[i].m2 - mu);
-    r[i].m2 = mnew;
-    const float nm = -mu;
-    float l0 = 0.f, l1 = 0.f, a0 = 0.f, a1 = 0.f;
+KL_DEV void row2_lag(const float* s1, const float* s2, Row& r, float c2, int lim, int i, bool first) {
+  bool exact = true;
+  if (!first) {
+    const float nm = -r.m2;
+    float d0, d1, l0, l1, a0, a1;
 #pragma unroll
     for (int j = 0; j < BN / 8; ++j) {
       const int x = KL_IDX(j, i, 0), y = KL_IDX(j, i, 1);
-      float ex = ex2(fmaf(s2[x], c2, nm)), ey = ex2(fmaf(s2[y], c2, nm));
-      if (MASK) {
-        ex = 8 * j < lim[i] ? ex : 0.f;
-        ey = 8 * j + 1 < lim[i] ? ey : 0.f;
+      float tx, ty, ex, ey;
+      lag_elem<MASK>(s2[x], c2, nm, 8 * j < lim, tx, ex);
+      lag_elem<MASK>(s2[y], c2, nm, 8 * j + 1 < lim, ty, ey);
+      if (j == 0) {
+        d0 = tx, d1 = ty, l0 = ex, l1 = ey, a0 = s1[x] * s2[x], a1 = s1[y] * s2[y];
+      } else {
+        d0 = fmaxf(d0, tx), d1 = fmaxf(d1, ty), l0 += ex, l1 += ey;
+        a0 = fmaf(s1[x], s2[x], a0), a1 = fmaf(s1[y], s2[y], a1);
       }
-      l0 += ex, l1 += ey;
-      a0 = fmaf(s1[x], s2[x], a0), a1 = fmaf(s1[y], s2[y], a1);
     }
-    r[i].l2 = fmaf(r[i].l2, alpha, l0 + l1);
-    r[i].ab += a0 + a1;
+    float sums[4] = {l0, l1, a0, a1};
+    fence_regs<4>(sums);  // computed before the decision, not sunk into its fast side
+    exact = fmaxf(d0, d1) > LAG_T;
+    if (!exact) r.l2 += sums[0] + sums[1], r.ab += sums[2] + sums[3];  // e1: relative to the final m1
+  }
+  if (exact) row2<MASK>(s1, s2, r, c2, lim, i);
+}
+#endif
+
+// The S1 half of a tile's update (leaves e1 in s1), then the S2 half.
+template <bool MASK>
+KL_DEV void update1(float* s1, Row* r, float c1, const int* lim, bool first) {
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+#if LAG
+    row1_lag<MASK>(s1, r[i], c1, lim[i], i, first);
+#else
+    row1<MASK>(s1, r[i], c1, lim[i], i);
+#endif
+  }
+}
+
+template <bool MASK>
+KL_DEV void update2(const float* s1, const float* s2, Row* r, float c2, const int* lim, bool first) {
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+#if LAG
+    row2_lag<MASK>(s1, s2, r[i], c2, lim[i], i, first);
+#else
+    row2<MASK>(s1, s2, r[i], c2, lim[i], i);
+#endif
   }
 }
 
@@ -312,9 +430,12 @@ KL_DEV void consume(const Params& p, int c, int tid, unsigned base, int m0, int 
     const int cb = t * BN + 2 * (lane & 3);  // this thread's first column in the tile
     const int rel[2] = {lim[0] - cb, lim[1] - cb};
     if (masked)
-      update1<true>(s1, r, p.c1, rel);
+      update1<true>(s1, r, p.c1, rel, t == 0);
     else
-      update1<false>(s1, r, p.c1, rel);
+      update1<false>(s1, r, p.c1, rel, t == 0);
+#if LAG
+    __syncwarp();  // the per-thread fast / exact choice reconverges before wgmma.wait (.aligned)
+#endif
     wgmma_wait<0>();
     fence_regs<NR>(s2);
     if (tid == 0) mbar_arrive(empty + 8 * stage);
@@ -326,9 +447,12 @@ KL_DEV void consume(const Params& p, int c, int tid, unsigned base, int m0, int 
     __syncwarp();  // warp 0 reconverges before its next wgmma (.sync.aligned)
 #endif
     if (masked)
-      update2<true>(s1, s2, r, p.c2, rel);
+      update2<true>(s1, s2, r, p.c2, rel, t == 0);
     else
-      update2<false>(s1, s2, r, p.c2, rel);
+      update2<false>(s1, s2, r, p.c2, rel, t == 0);
+#if LAG
+    __syncwarp();  // and before the next tile's bar.sync and wgmma
+#endif
   }
   finish(p, r, rows, lane, out0);
 }
