@@ -30,11 +30,12 @@ PLAN_CACHE_SIZE = 1024  # distinct shape keys kept (varlen batches key on max_se
 MERGE_BLOCK_R = 128
 
 
-# (id of a plan's constexpr dict, current device, integer arguments, pointers' low 7 bits) ->
-# (that dict, kept so its id stays unique; the launcher, function handle and packed metadata of
-# the compiled kernel; the constexpr values that follow the runtime arguments), or None where
-# Triton returned no compiled kernel (the interpreter).
+# (id of a plan's constexpr dict, current device, integer arguments, tensors' dtypes and low 7
+# address bits) -> (that dict, kept so its id stays unique; the compiled kernel, its launcher,
+# function handle and packed metadata; the constexpr values that follow the runtime arguments),
+# or None where Triton returned no compiled kernel.
 _SEEN: dict[tuple, tuple | None] = {}
+_KNOBS = getattr(triton, "knobs", None)
 SEEN_MAX = 4096
 
 
@@ -42,13 +43,14 @@ def _launch(kernel, grid, args, consts):
     """kernel[grid](*args, **consts), without JITFunction.run's binding once seen.
 
     Triton specializes a compiled kernel on its constexprs, on the values of integer arguments
-    (1, multiples of 16, 32- or 64-bit) and on pointer alignment (16 bytes). A launch whose
-    constexprs, exact integers and pointer addresses modulo 128 match an earlier one therefore
-    runs that one's compiled kernel: the launch goes straight to Triton's C launcher on the
-    current stream. Anything else, and any launch with Triton's launch hooks set (profilers),
-    goes through kernel[grid] as usual.
+    (1, multiples of 16, 32- or 64-bit) and on pointer dtypes and alignment (16 bytes). A launch
+    whose constexprs, exact integers, tensor dtypes and pointer addresses modulo 128 match an
+    earlier one therefore runs that one's compiled kernel: the launch goes straight to Triton's C
+    launcher on the current stream. Anything else goes through kernel[grid] as usual, and so does
+    every launch while Triton runs anything per launch: launch hooks (its profilers), pre-run
+    hooks, debug mode or instrumentation, or where it has no runtime knobs to read (before 3.4).
     """
-    if not isinstance(kernel, JITFunction):  # the interpreter (TRITON_INTERPRET=1)
+    if not isinstance(kernel, JITFunction) or _KNOBS is None:  # the interpreter, or an old triton
         kernel[grid](*args, **consts)
         return
     device = _current_device()
@@ -56,30 +58,25 @@ def _launch(kernel, grid, args, consts):
         id(consts),
         device,
         tuple(a for a in args if type(a) is int),
-        tuple(a.data_ptr() & 127 for a in args if isinstance(a, torch.Tensor)),
+        tuple((a.data_ptr() & 127, a.dtype) for a in args if isinstance(a, torch.Tensor)),
     )
     seen = _SEEN.get(key, False)
-    runtime = triton.knobs.runtime
-    if (
-        seen is False
-        or seen is None
-        or _hooked(runtime.launch_enter_hook)
-        or _hooked(runtime.launch_exit_hook)
-    ):
+    if seen is False or seen is None or _per_launch_work(kernel):
         compiled = kernel[grid](*args, **consts)
         if seen is False:
             if len(_SEEN) >= SEEN_MAX:
                 _SEEN.clear()
             _SEEN[key] = _fast_entry(kernel, compiled, len(args), consts)
         return
-    _, run, function, packed, tail = seen
+    _, _, run, function, packed, tail = seen
     g = (*grid, 1, 1)
     run(g[0], g[1], g[2], _current_stream(device), function, packed, None, None, None, *args, *tail)
 
 
 def _fast_entry(kernel, compiled, n_args, consts):
     """What a later launch of the same specialization needs, or None if it cannot skip binding:
-    no compiled kernel came back, or constexprs do not all follow the runtime arguments."""
+    no compiled kernel came back, or constexprs do not all follow the runtime arguments. The
+    compiled kernel is kept with its handles, so its module stays loaded while they are used."""
     if hasattr(compiled, "result"):  # a future, where Triton compiles asynchronously
         compiled = compiled.result()
     if not hasattr(compiled, "packed_metadata"):
@@ -88,7 +85,19 @@ def _fast_entry(kernel, compiled, n_args, consts):
     if any(name not in consts for name in names):
         return None
     tail = tuple(consts[name] for name in names)
-    return consts, compiled.run, compiled.function, compiled.packed_metadata, tail
+    return consts, compiled, compiled.run, compiled.function, compiled.packed_metadata, tail
+
+
+def _per_launch_work(kernel) -> bool:
+    """Whether JITFunction.run would do more than bind and launch: hooks, debug, instrumentation."""
+    runtime, compilation = _KNOBS.runtime, _KNOBS.compilation
+    return (
+        _hooked(runtime.launch_enter_hook)
+        or _hooked(runtime.launch_exit_hook)
+        or bool(kernel.pre_run_hooks)
+        or bool(runtime.debug)
+        or bool(getattr(compilation, "instrumentation_mode", None))
+    )
 
 
 def _hooked(hook) -> bool:
