@@ -222,7 +222,7 @@ def main(argv=None) -> int:
         reason = available[name]
         if reason is None:
             module = _dispatch.module(name)
-            borrowed = getattr(module, "BACKWARD", None)
+            borrowed = getattr(module, "BACKWARD", None)  # the backend whose backward it runs
             label = f"{name} (+{borrowed} backward)" if borrowed else name
             row, ok = _row(label, module, inputs, args, ref)
             rows.append(row)

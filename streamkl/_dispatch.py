@@ -32,9 +32,12 @@ def backward_of(backend):
 
 
 def in_auto(name: str) -> bool:
-    """Whether `auto` may take backend `name`: a backend sets AUTO = False while it measures
-    slower than the next one on the inputs it supports (it still runs when named)."""
-    return getattr(module(name), "AUTO", True)
+    """Whether `auto` may take backend `name`: a backend sets AUTO = False while it is slower
+    than the next one, or unmeasured, on part of what it supports (it still runs when named)."""
+    try:
+        return getattr(module(name), "AUTO", True)
+    except ImportError:  # a backend package missing from this install: why_not says so
+        return True
 
 
 def why_not(name: str, q1, k1, q2, k2, cu_seqlens=None) -> str | None:
@@ -74,7 +77,7 @@ def select(q1, k1, q2, k2, cu_seqlens=None, backend: str | None = None):
         if q1.device.type == "cpu":  # triton runs CPU tensors only in its (slow) interpreter
             return module("reference")
         for candidate in BACKENDS:
-            if why_not(candidate, q1, k1, q2, k2, cu_seqlens) is None and in_auto(candidate):
+            if in_auto(candidate) and why_not(candidate, q1, k1, q2, k2, cu_seqlens) is None:
                 return module(candidate)
         raise AssertionError("the reference backend runs every validated input")
     reason = why_not(name, q1, k1, q2, k2, cu_seqlens)

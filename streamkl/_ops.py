@@ -15,8 +15,11 @@ ops call, so the two paths compute the same thing.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import Tensor
+from torch.autograd import forward_ad
 
 from . import _checks, _dispatch, _env
 
@@ -26,18 +29,27 @@ def out_dtype(*tensors: Tensor) -> torch.dtype:
     return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
+def _on_device(t: Tensor):
+    """The inputs' GPU as the current device while a backend launches: kernels run on the current
+    one, whatever device the tensors are on."""
+    if t.is_cuda and t.device.index != torch.cuda.current_device():
+        return torch.cuda.device(t.device)
+    return contextlib.nullcontext()
+
+
 def _forward(module, q1, k1, q2, k2, causal, scale1, scale2, cu_seqlens, max_seqlen):
-    kl, lse1, lse2 = module.forward(
-        q1,
-        k1,
-        q2,
-        k2,
-        causal=causal,
-        scale1=scale1,
-        scale2=scale2,
-        cu_seqlens=cu_seqlens,
-        max_seqlen=max_seqlen,
-    )
+    with _on_device(q1):
+        kl, lse1, lse2 = module.forward(
+            q1,
+            k1,
+            q2,
+            k2,
+            causal=causal,
+            scale1=scale1,
+            scale2=scale2,
+            cu_seqlens=cu_seqlens,
+            max_seqlen=max_seqlen,
+        )
     dtype = out_dtype(q1, q2)
     return kl.to(dtype), lse1.to(dtype), lse2.to(dtype)
 
@@ -46,22 +58,23 @@ def _backward(
     module, grad_kl, q1, k1, q2, k2, kl, lse1, lse2, causal, scale1, scale2, cu_seqlens, max_seqlen, needs
 ):
     grad_kl = grad_kl.to(torch.float64 if kl.dtype == torch.float64 else torch.float32).contiguous()
-    return _dispatch.backward_of(module).backward(
-        grad_kl,
-        q1,
-        k1,
-        q2,
-        k2,
-        kl,
-        lse1,
-        lse2,
-        causal=causal,
-        scale1=scale1,
-        scale2=scale2,
-        cu_seqlens=cu_seqlens,
-        max_seqlen=max_seqlen,
-        needs=tuple(needs),
-    )
+    with _on_device(q1):
+        return _dispatch.backward_of(module).backward(
+            grad_kl,
+            q1,
+            k1,
+            q2,
+            k2,
+            kl,
+            lse1,
+            lse2,
+            causal=causal,
+            scale1=scale1,
+            scale2=scale2,
+            cu_seqlens=cu_seqlens,
+            max_seqlen=max_seqlen,
+            needs=tuple(needs),
+        )
 
 
 # --- the registered ops (torch.compile, torch.export, opcheck) ----------------------------------
@@ -230,6 +243,17 @@ def _reduce(kl: Tensor, reduction: str, rows: int) -> Tensor:
     return total if reduction == "sum" else total / rows
 
 
+def _differentiable(*tensors) -> bool:
+    """Whether the call needs an autograd node: grad mode with an input that requires grad, or
+    forward-mode AD or a torch.func transform in progress (the node raises there, as it should,
+    instead of returning a result without its tangent)."""
+    return (
+        (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+        or forward_ad._current_level >= 0
+        or torch._C._are_functorch_transforms_active()
+    )
+
+
 def _plain(*tensors) -> bool:
     """True when nothing traces or intercepts the call: exact torch.Tensor inputs, no compile,
     no dispatch mode (opcheck, FakeTensorMode, make_fx). Only then is the fast path taken."""
@@ -272,9 +296,7 @@ def attn_kl(
         _env.check_all()
         max_seqlen = _checks.resolve_max_seqlen(cu_seqlens, max_seqlen, problem.nq)
         module = _dispatch.select(q1, k1, q2, k2, cu_seqlens, backend)
-        if torch.is_grad_enabled() and (
-            q1.requires_grad or k1.requires_grad or q2.requires_grad or k2.requires_grad
-        ):
+        if _differentiable(q1, k1, q2, k2):
             args = (module, q1, k1, q2, k2, causal, scale1, scale2, cu_seqlens, max_seqlen, reduction, rows)
             return _AttnKL.apply(*args)
         kl, _, _ = _forward(module, q1, k1, q2, k2, causal, scale1, scale2, cu_seqlens, max_seqlen)

@@ -130,17 +130,45 @@ def test_a_forward_only_backend_borrows_the_named_backward(monkeypatch):
     assert len(forwards) == 2 and len(backwards) == 2
 
 
-def test_a_call_with_nothing_to_differentiate_builds_no_node():
+def _fails(*args, **kwargs):
+    raise AssertionError("an autograd node was built")
+
+
+def test_a_call_with_nothing_to_differentiate_builds_no_node(monkeypatch):
     q1, k1, q2, k2 = make_inputs(h=2, nq=6, nk=9, dtype=torch.float64)
     q2 = q2.clone().requires_grad_()
     with_grad = streamkl.attn_kl(q1, k1, q2, k2, causal=True, reduction="mean")
     assert with_grad.grad_fn is not None
+    monkeypatch.setattr(_ops._AttnKL, "apply", _fails)
     with torch.no_grad():
         without = streamkl.attn_kl(q1, k1, q2, k2, causal=True, reduction="mean")
     plain = streamkl.attn_kl(q1, k1, q2.detach(), k2, causal=True, reduction="mean")
     for kl in (without, plain):
         assert kl.grad_fn is None and not kl.requires_grad
         assert torch.equal(kl, with_grad.detach())
+
+
+def test_forward_mode_ad_is_refused_not_dropped():
+    """No input requires grad, but a dual tensor carries a tangent: the call must not return a
+    result without it (the op has no forward-mode derivative)."""
+    import torch.autograd.forward_ad as fwAD
+
+    q1, k1, q2, k2 = make_inputs(h=2, nq=6, nk=9, dtype=torch.float64)
+    with fwAD.dual_level():
+        dual = fwAD.make_dual(q2, torch.randn_like(q2))
+        with pytest.raises(RuntimeError, match="jvp|forward"):
+            streamkl.attn_kl(q1, k1, dual, k2)
+
+
+def test_auto_passes_by_a_backend_with_auto_off(monkeypatch):
+    from streamkl import _dispatch
+
+    cuda = _dispatch.module("cuda")
+    inputs = make_inputs(h=2, nq=4, nk=4)
+    monkeypatch.setattr(cuda, "supports", lambda *args, **kwargs: None)
+    monkeypatch.setattr(cuda, "AUTO", False)
+    assert _dispatch.select(*inputs, None, "cuda") is cuda
+    assert _dispatch.in_auto("cuda") is False and _dispatch.in_auto("triton") is True
 
 
 def _counted(calls, fn):
