@@ -3,7 +3,8 @@ parameter block and its launch on torch's current stream (no host sync, no input
 
 A call costs: three output allocations, one dict lookup per input for its tensor map (encoded by
 cuTensorMapEncodeTiled once per (address, shape, strides, dtype, box) and kept), one struct.pack
-of the parameter block, and cuLaunchKernel with a prebuilt argument pointer.
+of the parameter block into one buffer, and cuLaunchKernel with a one-entry argument array
+pointing at it.
 """
 
 from __future__ import annotations
