@@ -37,6 +37,11 @@ def check_inputs(q1, k1, q2, k2, cu_seqlens=None, max_seqlen=None) -> Problem:
         problem = _valid_dense(q1, k1, q2, k2)
         if problem is not None:
             return problem
+    return _check_each_rule(q1, k1, q2, k2, cu_seqlens, max_seqlen)
+
+
+def _check_each_rule(q1, k1, q2, k2, cu_seqlens, max_seqlen) -> Problem:
+    """check_inputs rule by rule: the first one broken raises, naming the argument."""
     names = ("q1", "k1", "q2", "k2")
     tensors = (q1, k1, q2, k2)
     for name, t in zip(names, tensors):

@@ -96,3 +96,46 @@ def test_no_nan_at_extreme_logits(problem, causal, magnitude):
     expected.check_kl(kl)
     kl.sum().backward()
     expected.check_grads([t.grad for t in inputs], inputs)
+
+
+@st.composite
+def dense_metadata(draw):
+    """Shapes and dtypes of the four inputs: a valid call, then often one size, rank or dtype
+    changed, so both sides of every rule come up."""
+    hk1, hk2 = draw(st.sampled_from([1, 2])), draw(st.sampled_from([1, 2, 3]))
+    h = hk1 * hk2 * draw(st.sampled_from([1, 2]))
+    b, nq, nk = (draw(st.integers(0, 3)) for _ in range(3))
+    d1, d2 = draw(st.integers(1, 4)), draw(st.integers(1, 4))
+    shapes = [[b, h, nq, d1], [b, hk1, nk, d1], [b, h, nq, d2], [b, hk2, nk, d2]]
+    pair = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+    dtype1, dtype2 = draw(st.sampled_from(pair)), draw(st.sampled_from(pair))
+    dtypes = [dtype1, dtype1, dtype2, dtype2]
+    change = draw(st.sampled_from(["none", "size", "rank", "dtype"]))
+    which = draw(st.integers(0, 3))
+    if change == "size":
+        dim = draw(st.integers(0, 3))
+        shapes[which][dim] = draw(st.integers(0, 5))
+    elif change == "rank":
+        shapes[which] = shapes[which][: draw(st.sampled_from([2, 3]))] or [1]
+        if draw(st.booleans()):
+            shapes[which] = [*shapes[which], 1, 1]
+    elif change == "dtype":
+        dtypes[which] = draw(st.sampled_from([*pair, torch.int32]))
+    return shapes, dtypes
+
+
+@given(dense_metadata())
+def test_one_pass_check_agrees_with_the_rule_by_rule_walk(metadata):
+    """The one-pass check of a dense call accepts exactly what every rule accepts, with the same
+    sizes; where a rule is broken it defers, and the walk names it."""
+    from streamkl import _checks
+
+    shapes, dtypes = metadata
+    tensors = [torch.empty(shape, dtype=dtype) for shape, dtype in zip(shapes, dtypes)]
+    fast = _checks._valid_dense(*tensors)
+    try:
+        walked = _checks._check_each_rule(*tensors, None, None)
+    except (TypeError, ValueError):
+        assert fast is None
+    else:
+        assert fast == walked
