@@ -31,8 +31,18 @@ VARIANTS = {
     "b-ws": dict(NWG=2, BN=128, STAGES=2, WS=1, PINGPONG=0),
     "c-pingpong2": dict(NWG=2, BN=128, STAGES=2, WS=1, PINGPONG=1),
     "d-lag": dict(NWG=2, BN=128, STAGES=2, WS=1, PINGPONG=1, LAG=1),
+    "e-lagsum": dict(NWG=2, BN=128, STAGES=2, WS=1, PINGPONG=1, LAG=2),
+    "f-fused": dict(NWG=2, BN=128, STAGES=2, WS=1, PINGPONG=1, LAG=2, FUSED=1),
+    # ablations of f-fused (wrong results, timed only): no exp, one GEMM, no update math, one
+    # stage, no ping-pong
+    "x-noexp": dict(NWG=2, BN=128, STAGES=2, WS=1, PINGPONG=1, LAG=2, FUSED=1, ABLATE=1),
+    "x-onegemm": dict(NWG=2, BN=128, STAGES=2, WS=1, PINGPONG=1, LAG=2, FUSED=1, ABLATE=2),
+    "x-nomath": dict(NWG=2, BN=128, STAGES=2, WS=1, PINGPONG=1, LAG=2, FUSED=1, ABLATE=3),
+    "x-1stage": dict(NWG=2, BN=128, STAGES=1, WS=1, PINGPONG=1, LAG=2, FUSED=1),
+    "x-nopingpong": dict(NWG=2, BN=128, STAGES=2, WS=1, PINGPONG=0, LAG=2, FUSED=1),
 }
-TIMED_AT_D64 = ("c-pingpong2", "d-lag")
+ABLATIONS = tuple(v for v in VARIANTS if v.startswith("x-"))
+TIMED_AT_D64 = ("c-pingpong2", "d-lag", "e-lagsum", "f-fused", *ABLATIONS)
 # (b, h, hk1, hk2, nq, nk, d1, d2, layout, causal, dtype[, dict(std=, scale1=, scale2=)]): std
 # scales the random inputs (std 50 at D = 128: |S * scale| up to ~1e4), the scales default to
 # 1 / sqrt(d).
@@ -119,7 +129,8 @@ def time_shape(d, n, causal, variants):
     for v in variants:
         c = consts_for(v, d, d, torch.bfloat16)
         kl, _, _ = run_cuda(inputs, causal, c)
-        row[v + "-vs-triton-relerr"] = rel_err(kl, ref_kl)
+        if v not in ABLATIONS:
+            row[v + "-vs-triton-relerr"] = rel_err(kl, ref_kl)
         row[v] = flops / bench_ms(lambda c=c: run_cuda(inputs, causal, c)) / 1e9
     return row
 
@@ -215,7 +226,7 @@ def main():
         return
     good = []
     for v in variants:
-        if check(v, out["checks"]) < 1e-4:
+        if v in ABLATIONS or check(v, out["checks"]) < 1e-4:
             good.append(v)
     if args.json:
         json.dump(out, open(args.json, "w"), indent=1)

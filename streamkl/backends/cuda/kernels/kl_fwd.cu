@@ -75,12 +75,24 @@
 #ifndef LAG
 #define LAG 0
 #endif
+#ifndef FUSED
+#define FUSED 0
+#endif
+#ifndef ABLATE
+#define ABLATE 0
+#endif
+// ABLATE (measurement only, for docs/cuda.md's ablations; the results are wrong): 1 runs no
+// exponential (e = t), 2 issues no S2 GEMM, 3 runs no update math (loads and GEMMs alone).
+#if ABLATE == 1
+#define ex2(x) (x)
+#endif
 
 static_assert(D1P == 64 || D1P == 128, "D1P: 64 or 128");
 static_assert(D2P == 64 || D2P == 128, "D2P: 64 or 128");
 static_assert(BN == 64 || BN == 128, "BN: 64 or 128");
 static_assert(NWG >= 1 && NWG <= 3, "NWG: 1 to 3 consumer warpgroups");
 static_assert(!PINGPONG || (WS && NWG >= 2), "ping-pong needs a producer and two consumers");
+static_assert(!FUSED || (LAG == 2 && WS), "the fused update: the sum-tested lagged max, a producer");
 
 constexpr int BM = 64 * NWG;
 constexpr int THREADS = 128 * (NWG + WS);
@@ -138,13 +150,15 @@ KL_DEV void load_k(const Params& p, unsigned base, unsigned full, int t, int h1,
     tma_load_4d(base + OFF_K2 + stage * K2_ST + s * (BN * 128), &p.k2, 64 * s, t * BN, h2, b, bar);
 }
 
-// S (64 x BN) = Q (64 x DP at q) . K^T (BN x DP at k), as DP / 16 wgmma k-steps.
+// S (64 x BN) = Q (64 x DP, descriptor dq) . K^T (BN x DP, descriptor dk), as DP / 16 wgmma
+// k-steps. A k-step's descriptors are the tile's plus a constant (smem_desc_add), so issuing one
+// costs an add, not the descriptor's masks and shifts.
 template <int DP>
-KL_DEV void gemm(float* s, unsigned q, unsigned k) {
+KL_DEV void gemm(float* s, unsigned long long dq, unsigned long long dk) {
 #pragma unroll
   for (int kk = 0; kk < DP / 16; ++kk) {
-    const unsigned long long da = smem_desc(q + (kk / 4) * SLAB + (kk % 4) * 32);
-    const unsigned long long db = smem_desc(k + (kk / 4) * (BN * 128) + (kk % 4) * 32);
+    const unsigned long long da = smem_desc_add(dq, (kk / 4) * SLAB + (kk % 4) * 32);
+    const unsigned long long db = smem_desc_add(dk, (kk / 4) * (BN * 128) + (kk % 4) * 32);
 #if BN == 128
     wgmma_m64n128k16(s, da, db, kk > 0);
 #else
@@ -253,7 +267,6 @@ KL_DEV void row2(const float* s1, const float* s2, Row& r, float c2, int lim, in
 #if LAG
 // LAG = 1 (the header comment: what it does and why it is exact). row1_lag / row2_lag: the fast
 // side of one row's tile, or row1 / row2 (the exact update) when it does not apply.
-constexpr float LAG_T = 8.f;
 
 // One score's argument t - m and its exponential; an invalid key gives -inf and 0.
 template <bool MASK>
@@ -262,6 +275,16 @@ KL_DEV void lag_elem(float s, float c, float nm, bool valid, float& t, float& e)
   e = ex2(t);
   if (MASK) t = valid ? t : -KL_INF, e = valid ? e : 0.f;
 }
+
+// LAG = 2 decides on the tile's own sum of e instead of its max: e >= 0, so sum <= LAG_SUM
+// bounds every e, and an overflow (+inf) or a NaN fails the test. No max is computed.
+#if LAG == 2
+constexpr float LAG_SUM = 65536.f;
+KL_DEV bool lag_exact(float, float sum) { return !(sum <= LAG_SUM); }
+#else
+constexpr float LAG_T = 8.f;
+KL_DEV bool lag_exact(float d, float) { return d > LAG_T; }
+#endif
 
 template <bool MASK>
 KL_DEV void row1_lag(float* s1, Row& r, float c1, int lim, int i, bool first) {
@@ -279,13 +302,14 @@ KL_DEV void row1_lag(float* s1, Row& r, float c1, int lim, int i, bool first) {
       if (j == 0) {
         d0 = tx, d1 = ty, l0 = ex, l1 = ey, a0 = ex * s1[x], a1 = ey * s1[y];
       } else {
-        d0 = fmaxf(d0, tx), d1 = fmaxf(d1, ty), l0 += ex, l1 += ey;
+        if (LAG == 1) d0 = fmaxf(d0, tx), d1 = fmaxf(d1, ty);
+        l0 += ex, l1 += ey;
         a0 = fmaf(ex, s1[x], a0), a1 = fmaf(ey, s1[y], a1);
       }
       e[2 * j] = ex, e[2 * j + 1] = ey;
     }
     fence_regs<BN / 4>(e);  // the exponentials run before the decision, not sunk into its fast side
-    exact = fmaxf(d0, d1) > LAG_T;
+    exact = lag_exact(fmaxf(d0, d1), l0 + l1);
     if (!exact) r.l1 += l0 + l1, r.aa += a0 + a1;
   }
   if (exact) {
@@ -311,17 +335,61 @@ KL_DEV void row2_lag(const float* s1, const float* s2, Row& r, float c2, int lim
       if (j == 0) {
         d0 = tx, d1 = ty, l0 = ex, l1 = ey, a0 = s1[x] * s2[x], a1 = s1[y] * s2[y];
       } else {
-        d0 = fmaxf(d0, tx), d1 = fmaxf(d1, ty), l0 += ex, l1 += ey;
+        if (LAG == 1) d0 = fmaxf(d0, tx), d1 = fmaxf(d1, ty);
+        l0 += ex, l1 += ey;
         a0 = fmaf(s1[x], s2[x], a0), a1 = fmaf(s1[y], s2[y], a1);
       }
     }
     float sums[4] = {l0, l1, a0, a1};
     fence_regs<4>(sums);  // computed before the decision, not sunk into its fast side
-    exact = fmaxf(d0, d1) > LAG_T;
+    exact = lag_exact(fmaxf(d0, d1), sums[0] + sums[1]);
     if (!exact) r.l2 += sums[0] + sums[1], r.ab += sums[2] + sums[3];  // e1: relative to the final m1
   }
   if (exact) row2<MASK>(s1, s2, r, c2, lim, i);
 }
+
+#if FUSED
+// FUSED = 1: both GEMMs are waited for, then one pass per row runs both sides from the raw
+// scores, so e1 is never stored (ab takes e1 * S2 at once) and the raw scores stay in place for
+// the exact redo: row1 then row2, as the split update would run them.
+template <bool MASK>
+KL_DEV void row_fused(float* s1, const float* s2, Row& r, float c1, float c2, int lim, int i, bool first) {
+  bool exact = true;
+  if (!first) {
+    const float nm1 = -r.m1, nm2 = -r.m2;
+    float sums[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};  // l1, aa, ab, l2, twice for ILP
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j) {
+#pragma unroll
+      for (int k = 0; k < 2; ++k) {
+        const int x = KL_IDX(j, i, k);
+        float e1 = ex2(fmaf(s1[x], c1, nm1)), e2 = ex2(fmaf(s2[x], c2, nm2));
+        if (MASK) {
+          const bool valid = 8 * j + k < lim;
+          e1 = valid ? e1 : 0.f;
+          e2 = valid ? e2 : 0.f;
+        }
+        float* a = sums + 4 * k;
+        a[0] += e1, a[1] = fmaf(e1, s1[x], a[1]), a[2] = fmaf(e1, s2[x], a[2]), a[3] += e2;
+      }
+    }
+    fence_regs<8>(sums);  // computed before the decision, not sunk into its fast side
+    const float l1 = sums[0] + sums[4], l2 = sums[3] + sums[7];
+    exact = !(l1 <= LAG_SUM && l2 <= LAG_SUM);
+    if (!exact) r.l1 += l1, r.aa += sums[1] + sums[5], r.ab += sums[2] + sums[6], r.l2 += l2;
+  }
+  if (exact) {
+    row1<MASK>(s1, r, c1, lim, i);
+    row2<MASK>(s1, s2, r, c2, lim, i);
+  }
+}
+
+template <bool MASK>
+KL_DEV void update_fused(float* s1, const float* s2, Row* r, float c1, float c2, const int* lim, bool first) {
+#pragma unroll
+  for (int i = 0; i < 2; ++i) row_fused<MASK>(s1, s2, r[i], c1, c2, lim[i], i, first);
+}
+#endif
 #endif
 
 // The S1 half of a tile's update (leaves e1 in s1), then the S2 half.
@@ -402,7 +470,8 @@ KL_DEV void consume(const Params& p, int c, int tid, unsigned base, int m0, int 
 #pragma unroll
   for (int i = 0; i < 2; ++i) r[i] = Row{-KL_INF, 0.f, -KL_INF, 0.f, 0.f, 0.f};
   float s1[NR], s2[NR];
-  const unsigned q1 = base + OFF_Q1 + c * Q1_WG, q2 = base + OFF_Q2 + c * Q2_WG;
+  const unsigned long long dq1 = smem_desc(base + OFF_Q1 + c * Q1_WG), dq2 = smem_desc(base + OFF_Q2 + c * Q2_WG);
+  const unsigned long long dk1 = smem_desc(base + OFF_K1), dk2 = smem_desc(base + OFF_K2);
   mbar_wait(bar_q, 0);
 #if PINGPONG
   if (c == NWG - 1 && n_tiles > 0) named_arrive(1, 256);  // the first turn is warpgroup 0's
@@ -417,18 +486,33 @@ KL_DEV void consume(const Params& p, int c, int tid, unsigned base, int m0, int 
     fence_regs<NR>(s1);
     fence_regs<NR>(s2);
     wgmma_fence();
-    gemm<D1P>(s1, q1, base + OFF_K1 + stage * K1_ST);
+    gemm<D1P>(s1, dq1, smem_desc_add(dk1, stage * K1_ST));
     wgmma_commit();
-    gemm<D2P>(s2, q2, base + OFF_K2 + stage * K2_ST);
+#if ABLATE != 2
+    gemm<D2P>(s2, dq2, smem_desc_add(dk2, stage * K2_ST));
+#endif
     wgmma_commit();
 #if PINGPONG
     if (!(c == NWG - 1 && t == n_tiles - 1)) named_arrive(1 + (c + 1) % NWG, 256);
 #endif
-    wgmma_wait<1>();
-    fence_regs<NR>(s1);
     const bool masked = t >= n_full;
     const int cb = t * BN + 2 * (lane & 3);  // this thread's first column in the tile
     const int rel[2] = {lim[0] - cb, lim[1] - cb};
+#if FUSED
+    wgmma_wait<0>();
+    fence_regs<NR>(s1);
+    fence_regs<NR>(s2);
+    if (tid == 0) mbar_arrive(empty + 8 * stage);
+    if (ABLATE == 3)
+      ;
+    else if (masked)
+      update_fused<true>(s1, s2, r, p.c1, p.c2, rel, t == 0);
+    else
+      update_fused<false>(s1, s2, r, p.c1, p.c2, rel, t == 0);
+    __syncwarp();  // the per-thread fast / exact choice reconverges before the next bar.sync and wgmma
+#else
+    wgmma_wait<1>();
+    fence_regs<NR>(s1);
     if (masked)
       update1<true>(s1, r, p.c1, rel, t == 0);
     else
@@ -452,6 +536,7 @@ KL_DEV void consume(const Params& p, int c, int tid, unsigned base, int m0, int 
       update2<false>(s1, s2, r, p.c2, rel, t == 0);
 #if LAG
     __syncwarp();  // and before the next tile's bar.sync and wgmma
+#endif
 #endif
   }
   finish(p, r, rows, lane, out0);
@@ -497,7 +582,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kl_fwd(const __grid_con
     return;
   }
   regs_inc<REG_CONS>();
-  consume(p, tid / 128 - 1, tid % 128, base, m0, n_tiles, h1, h2, b, out0);
+  // Read through a shuffle, the warpgroup index is warp-uniform to the compiler, so the
+  // descriptors built from it stay in uniform registers.
+  consume(p, __shfl_sync(0xffffffffu, tid / 128, 0) - 1, tid % 128, base, m0, n_tiles, h1, h2, b, out0);
 #else
   if (tid == 0) {
     load_q(p, base, bar_q, m0, h, b);

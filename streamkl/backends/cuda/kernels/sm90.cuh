@@ -90,6 +90,10 @@ KL_DEV unsigned long long smem_desc(unsigned addr) {
   return (unsigned long long)((addr & 0x3FFFF) >> 4) | (1ull << 16) | (64ull << 32) | (1ull << 62);
 }
 
+// The descriptor of addr + bytes from addr's (bytes a multiple of 16): the start address field
+// holds (addr & 0x3FFFF) >> 4, and shared addresses stay below 2^18, so the fields just add.
+KL_DEV unsigned long long smem_desc_add(unsigned long long desc, unsigned bytes) { return desc + (bytes >> 4); }
+
 KL_DEV void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 KL_DEV void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 template <int N>
