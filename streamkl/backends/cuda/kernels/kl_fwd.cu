@@ -18,28 +18,28 @@
 //   each of its two rows and over its own quarter of the columns, m1, l1, m2, l2 and the sums
 //   aa = sum e1 * S1raw, ab = sum e1 * S2raw; the four threads of a row merge these once, after
 //   the last tile (no shuffle per tile). acc = c1 * aa - c2 * ab = sum e1 * (t1 - t2).
-// Lagged running max (LAG = 1; a variant, LAG = 0 ships): a thread's m1 / m2 are references,
-//   not maxima: l = sum 2^(t - m) over the thread's columns so far (aa, ab alike), and finish()
-//   merges any references exactly (w = 2^(m - M)), so lse = M + log2 L and the KL do not depend
-//   on which m a thread holds, only rounding does. From the second tile on, a row's exponentials
-//   use the m it had before the tile, so they need not wait for the tile's max; d = max (t - m)
-//   over its visible keys is reduced beside them. d <= LAG_T = 8: every e <= 2^8, the tile's sums
-//   add on and m stays. d > LAG_T: the row's tile is redone exactly as with LAG = 0 (m = max(m,
-//   tile max) first), from the raw scores, which stay in s1 / s2 until the decision (e1 goes to
-//   temporaries and into s1 only on the fast side). Why that is exact for every input:
-//   - Overflow: the invariant "every t seen so far is <= m + 8" holds after either side (the
-//     exact side only raises m), so e <= 2^8, l <= 2^8 Nk / 4 and aa, ab <= that times max |S|:
-//     finite while Nk max |S| < 2^120 (LAG = 0: 2^128). A jump of any size inside a tile
-//     (|S| ~ 1e4, a one-hot row whose hot key comes late) takes the exact side before any sum is
-//     kept; the fast side's exponentials and sums (+inf or NaN there) are discarded.
+// Lagged running max: a thread's m1 / m2 are references, not maxima: l = sum 2^(t - m) over the
+//   thread's columns so far (aa, ab alike), and finish() merges any references exactly
+//   (w = 2^(m - M)), so lse = M + log2 L and the KL do not depend on which m a thread holds, only
+//   rounding does. From the second tile on, a row's exponentials use the m it had before the
+//   tile, so they need not wait for the tile's max, and no max is computed: the tile's own sum of
+//   e is the test. sum <= LAG_SUM = 2^16: as e >= 0, every e <= 2^16; the tile's sums add on and
+//   m stays. Otherwise (a larger e, +inf, NaN): the row's tile is redone exactly (m = max(m, tile
+//   max) first, row1 / row2), from the raw scores, which stay in s1 / s2 until the decision (e1
+//   goes to temporaries and into s1 only on the fast side). Why that is exact for every input:
+//   - Overflow: the invariant "every t seen so far is <= m + 16" holds after either side (the
+//     exact side only raises m), so e <= 2^16, l <= 2^16 Nk / 4 and aa, ab <= that times max |S|:
+//     finite while Nk max |S| < 2^112. A jump of any size inside a tile (|S| ~ 1e4, a one-hot row
+//     whose hot key comes late) takes the exact side before any sum is kept; the fast side's
+//     exponentials and sums (+inf or NaN there) are discarded.
 //   - Underflow: m is a value some t reached, so m <= the running max: an e flushes to zero
-//     (t - m < -126) only where it would in the exact update too.
-//   - Empty and masked: invalid keys enter d as -inf and e as 0, as in the exact update; a thread
-//     that sees no key in a tile gets d = -inf (fast side, sums + 0), one that sees none at all
-//     keeps m = -inf, l = 0 (kl = 0, lse = -inf as with LAG = 0); m = -inf with a visible key
-//     gives d = +inf (exact side). The first tile always takes the exact side (m = -inf there).
-//   - Negative scales: d is the max of t = c S itself, so the fast side needs no min/max swap;
-//     the exact side keeps row_max's.
+//     (t - m < -126) only where it would in an exact update too.
+//   - Empty and masked: invalid keys give e = 0, as in the exact update; a thread that sees no key
+//     in a tile sums 0 (fast side, sums + 0), one that sees none at all keeps m = -inf, l = 0
+//     (kl = 0, lse = -inf); m = -inf with a visible key gives e = +inf (exact side). The first
+//     tile always takes the exact side (m = -inf there).
+//   - Negative scales: the fast side uses t = c S itself, so it needs no min/max swap; the exact
+//     side keeps row_max's.
 // Tiles: Q of a consumer 64 x D (D padded to DP = 64 or 128 by TMA's zero fill), K tiles BN x D,
 //   all stored as 1024-byte-aligned slabs of 64 columns, 128-byte swizzled (the wgmma K-major
 //   SW128 layout). Keys past Nk and rows past Nq arrive as zeros; masked tiles (the ragged last
@@ -72,17 +72,11 @@
 #ifndef PINGPONG
 #define PINGPONG 1
 #endif
-#ifndef LAG
-#define LAG 0
-#endif
-#ifndef FUSED
-#define FUSED 0
-#endif
 #ifndef ABLATE
 #define ABLATE 0
 #endif
 // ABLATE (measurement only, for docs/cuda.md's ablations; the results are wrong): 1 runs no
-// exponential (e = t), 2 issues no S2 GEMM, 3 runs no update math (loads and GEMMs alone).
+// exponential (e = t), 2 issues no S2 GEMM.
 #if ABLATE == 1
 #define ex2(x) (x)
 #endif
@@ -92,7 +86,6 @@ static_assert(D2P == 64 || D2P == 128, "D2P: 64 or 128");
 static_assert(BN == 64 || BN == 128, "BN: 64 or 128");
 static_assert(NWG >= 1 && NWG <= 3, "NWG: 1 to 3 consumer warpgroups");
 static_assert(!PINGPONG || (WS && NWG >= 2), "ping-pong needs a producer and two consumers");
-static_assert(!FUSED || (LAG == 2 && WS), "the fused update: the sum-tested lagged max, a producer");
 
 constexpr int BM = 64 * NWG;
 constexpr int THREADS = 128 * (NWG + WS);
@@ -264,52 +257,32 @@ KL_DEV void row2(const float* s1, const float* s2, Row& r, float c2, int lim, in
   r.ab += a0 + a1;
 }
 
-#if LAG
-// LAG = 1 (the header comment: what it does and why it is exact). row1_lag / row2_lag: the fast
-// side of one row's tile, or row1 / row2 (the exact update) when it does not apply.
-
-// One score's argument t - m and its exponential; an invalid key gives -inf and 0.
-template <bool MASK>
-KL_DEV void lag_elem(float s, float c, float nm, bool valid, float& t, float& e) {
-  t = fmaf(s, c, nm);
-  e = ex2(t);
-  if (MASK) t = valid ? t : -KL_INF, e = valid ? e : 0.f;
-}
-
-// LAG = 2 decides on the tile's own sum of e instead of its max: e >= 0, so sum <= LAG_SUM
-// bounds every e, and an overflow (+inf) or a NaN fails the test. No max is computed.
-#if LAG == 2
+// The lagged running max (the header comment: what it does and why it is exact). Past the first
+// tile, one row's tile runs on the reference m from before it (the fast side) and keeps it when
+// the tile's own sum of e is at most LAG_SUM; otherwise row1 / row2 redo the tile exactly.
 constexpr float LAG_SUM = 65536.f;
-KL_DEV bool lag_exact(float, float sum) { return !(sum <= LAG_SUM); }
-#else
-constexpr float LAG_T = 8.f;
-KL_DEV bool lag_exact(float d, float) { return d > LAG_T; }
-#endif
 
 template <bool MASK>
-KL_DEV void row1_lag(float* s1, Row& r, float c1, int lim, int i, bool first) {
+KL_DEV void row1_lagged(float* s1, Row& r, float c1, int lim, int i, bool first) {
   float e[BN / 4];
   bool exact = true;
   if (!first) {
     const float nm = -r.m1;
-    float d0, d1, l0, l1, a0, a1;
+    float l0 = 0.f, l1 = 0.f, a0 = 0.f, a1 = 0.f;
 #pragma unroll
     for (int j = 0; j < BN / 8; ++j) {
       const int x = KL_IDX(j, i, 0), y = KL_IDX(j, i, 1);
-      float tx, ty, ex, ey;
-      lag_elem<MASK>(s1[x], c1, nm, 8 * j < lim, tx, ex);
-      lag_elem<MASK>(s1[y], c1, nm, 8 * j + 1 < lim, ty, ey);
-      if (j == 0) {
-        d0 = tx, d1 = ty, l0 = ex, l1 = ey, a0 = ex * s1[x], a1 = ey * s1[y];
-      } else {
-        if (LAG == 1) d0 = fmaxf(d0, tx), d1 = fmaxf(d1, ty);
-        l0 += ex, l1 += ey;
-        a0 = fmaf(ex, s1[x], a0), a1 = fmaf(ey, s1[y], a1);
+      float ex = ex2(fmaf(s1[x], c1, nm)), ey = ex2(fmaf(s1[y], c1, nm));
+      if (MASK) {
+        ex = 8 * j < lim ? ex : 0.f;
+        ey = 8 * j + 1 < lim ? ey : 0.f;
       }
+      l0 += ex, l1 += ey;
+      a0 = fmaf(ex, s1[x], a0), a1 = fmaf(ey, s1[y], a1);
       e[2 * j] = ex, e[2 * j + 1] = ey;
     }
     fence_regs<BN / 4>(e);  // the exponentials run before the decision, not sunk into its fast side
-    exact = lag_exact(fmaxf(d0, d1), l0 + l1);
+    exact = !(l0 + l1 <= LAG_SUM);  // NaN and +inf take the exact side too
     if (!exact) r.l1 += l0 + l1, r.aa += a0 + a1;
   }
   if (exact) {
@@ -321,100 +294,40 @@ KL_DEV void row1_lag(float* s1, Row& r, float c1, int lim, int i, bool first) {
 }
 
 template <bool MASK>
-KL_DEV void row2_lag(const float* s1, const float* s2, Row& r, float c2, int lim, int i, bool first) {
+KL_DEV void row2_lagged(const float* s1, const float* s2, Row& r, float c2, int lim, int i, bool first) {
   bool exact = true;
   if (!first) {
     const float nm = -r.m2;
-    float d0, d1, l0, l1, a0, a1;
+    float sums[4] = {0.f, 0.f, 0.f, 0.f};  // l2 and ab, twice for ILP
 #pragma unroll
     for (int j = 0; j < BN / 8; ++j) {
       const int x = KL_IDX(j, i, 0), y = KL_IDX(j, i, 1);
-      float tx, ty, ex, ey;
-      lag_elem<MASK>(s2[x], c2, nm, 8 * j < lim, tx, ex);
-      lag_elem<MASK>(s2[y], c2, nm, 8 * j + 1 < lim, ty, ey);
-      if (j == 0) {
-        d0 = tx, d1 = ty, l0 = ex, l1 = ey, a0 = s1[x] * s2[x], a1 = s1[y] * s2[y];
-      } else {
-        if (LAG == 1) d0 = fmaxf(d0, tx), d1 = fmaxf(d1, ty);
-        l0 += ex, l1 += ey;
-        a0 = fmaf(s1[x], s2[x], a0), a1 = fmaf(s1[y], s2[y], a1);
+      float ex = ex2(fmaf(s2[x], c2, nm)), ey = ex2(fmaf(s2[y], c2, nm));
+      if (MASK) {
+        ex = 8 * j < lim ? ex : 0.f;
+        ey = 8 * j + 1 < lim ? ey : 0.f;
       }
+      sums[0] += ex, sums[1] += ey;
+      sums[2] = fmaf(s1[x], s2[x], sums[2]), sums[3] = fmaf(s1[y], s2[y], sums[3]);
     }
-    float sums[4] = {l0, l1, a0, a1};
     fence_regs<4>(sums);  // computed before the decision, not sunk into its fast side
-    exact = lag_exact(fmaxf(d0, d1), sums[0] + sums[1]);
+    exact = !(sums[0] + sums[1] <= LAG_SUM);
     if (!exact) r.l2 += sums[0] + sums[1], r.ab += sums[2] + sums[3];  // e1: relative to the final m1
   }
   if (exact) row2<MASK>(s1, s2, r, c2, lim, i);
 }
 
-#if FUSED
-// FUSED = 1: both GEMMs are waited for, then one pass per row runs both sides from the raw
-// scores, so e1 is never stored (ab takes e1 * S2 at once) and the raw scores stay in place for
-// the exact redo: row1 then row2, as the split update would run them.
-template <bool MASK>
-KL_DEV void row_fused(float* s1, const float* s2, Row& r, float c1, float c2, int lim, int i, bool first) {
-  bool exact = true;
-  if (!first) {
-    const float nm1 = -r.m1, nm2 = -r.m2;
-    float sums[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};  // l1, aa, ab, l2, twice for ILP
-#pragma unroll
-    for (int j = 0; j < BN / 8; ++j) {
-#pragma unroll
-      for (int k = 0; k < 2; ++k) {
-        const int x = KL_IDX(j, i, k);
-        float e1 = ex2(fmaf(s1[x], c1, nm1)), e2 = ex2(fmaf(s2[x], c2, nm2));
-        if (MASK) {
-          const bool valid = 8 * j + k < lim;
-          e1 = valid ? e1 : 0.f;
-          e2 = valid ? e2 : 0.f;
-        }
-        float* a = sums + 4 * k;
-        a[0] += e1, a[1] = fmaf(e1, s1[x], a[1]), a[2] = fmaf(e1, s2[x], a[2]), a[3] += e2;
-      }
-    }
-    fence_regs<8>(sums);  // computed before the decision, not sunk into its fast side
-    const float l1 = sums[0] + sums[4], l2 = sums[3] + sums[7];
-    exact = !(l1 <= LAG_SUM && l2 <= LAG_SUM);
-    if (!exact) r.l1 += l1, r.aa += sums[1] + sums[5], r.ab += sums[2] + sums[6], r.l2 += l2;
-  }
-  if (exact) {
-    row1<MASK>(s1, r, c1, lim, i);
-    row2<MASK>(s1, s2, r, c2, lim, i);
-  }
-}
-
-template <bool MASK>
-KL_DEV void update_fused(float* s1, const float* s2, Row* r, float c1, float c2, const int* lim, bool first) {
-#pragma unroll
-  for (int i = 0; i < 2; ++i) row_fused<MASK>(s1, s2, r[i], c1, c2, lim[i], i, first);
-}
-#endif
-#endif
-
 // The S1 half of a tile's update (leaves e1 in s1), then the S2 half.
 template <bool MASK>
 KL_DEV void update1(float* s1, Row* r, float c1, const int* lim, bool first) {
 #pragma unroll
-  for (int i = 0; i < 2; ++i) {
-#if LAG
-    row1_lag<MASK>(s1, r[i], c1, lim[i], i, first);
-#else
-    row1<MASK>(s1, r[i], c1, lim[i], i);
-#endif
-  }
+  for (int i = 0; i < 2; ++i) row1_lagged<MASK>(s1, r[i], c1, lim[i], i, first);
 }
 
 template <bool MASK>
 KL_DEV void update2(const float* s1, const float* s2, Row* r, float c2, const int* lim, bool first) {
 #pragma unroll
-  for (int i = 0; i < 2; ++i) {
-#if LAG
-    row2_lag<MASK>(s1, s2, r[i], c2, lim[i], i, first);
-#else
-    row2<MASK>(s1, s2, r[i], c2, lim[i], i);
-#endif
-  }
+  for (int i = 0; i < 2; ++i) row2_lagged<MASK>(s1, s2, r[i], c2, lim[i], i, first);
 }
 
 KL_DEV float quad_max(float x) {
@@ -498,28 +411,13 @@ KL_DEV void consume(const Params& p, int c, int tid, unsigned base, int m0, int 
     const bool masked = t >= n_full;
     const int cb = t * BN + 2 * (lane & 3);  // this thread's first column in the tile
     const int rel[2] = {lim[0] - cb, lim[1] - cb};
-#if FUSED
-    wgmma_wait<0>();
-    fence_regs<NR>(s1);
-    fence_regs<NR>(s2);
-    if (tid == 0) mbar_arrive(empty + 8 * stage);
-    if (ABLATE == 3)
-      ;
-    else if (masked)
-      update_fused<true>(s1, s2, r, p.c1, p.c2, rel, t == 0);
-    else
-      update_fused<false>(s1, s2, r, p.c1, p.c2, rel, t == 0);
-    __syncwarp();  // the per-thread fast / exact choice reconverges before the next bar.sync and wgmma
-#else
     wgmma_wait<1>();
     fence_regs<NR>(s1);
     if (masked)
       update1<true>(s1, r, p.c1, rel, t == 0);
     else
       update1<false>(s1, r, p.c1, rel, t == 0);
-#if LAG
     __syncwarp();  // the per-thread fast / exact choice reconverges before wgmma.wait (.aligned)
-#endif
     wgmma_wait<0>();
     fence_regs<NR>(s2);
     if (tid == 0) mbar_arrive(empty + 8 * stage);
@@ -534,10 +432,7 @@ KL_DEV void consume(const Params& p, int c, int tid, unsigned base, int m0, int 
       update2<true>(s1, s2, r, p.c2, rel, t == 0);
     else
       update2<false>(s1, s2, r, p.c2, rel, t == 0);
-#if LAG
     __syncwarp();  // and before the next tile's bar.sync and wgmma
-#endif
-#endif
   }
   finish(p, r, rows, lane, out0);
 }
