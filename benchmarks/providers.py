@@ -26,7 +26,6 @@ import streamkl
 from benchmarks import sdpa_trick
 from streamkl.testing import dense_attn_kl, visible_mask
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # The reference backend is the slow oracle: on a GPU it runs problems up to this many visible pairs
 # (N = 8K at 32 heads, non-causal).
 REFERENCE_MAX_PAIRS_CUDA = 2**31
@@ -67,7 +66,7 @@ class Case:
             (self.b, self.h, self.nq, self.d2),
             (self.b, self.hk2 or self.h, self.nk, self.d2),
         ]
-        dtype = DTYPES[self.dtype]
+        dtype = getattr(torch, self.dtype)  # "bfloat16", "float16", "float32"
         return tuple(torch.randn(s, generator=gen, device=device, dtype=dtype) for s in shapes)
 
 
@@ -162,10 +161,6 @@ def dense_autocast(q1, k1, q2, k2, causal: bool):
     return (logp1.exp() * diff).sum(-1)
 
 
-def dense_fp32(q1, k1, q2, k2, causal: bool):
-    return dense_attn_kl(q1, k1, q2, k2, causal=causal, dtype=torch.float32)
-
-
 def _dense(name, kind, what, formula, compile_backend, exact=False, why_not=None) -> list[Provider]:
     """The dense formula eager (`torch-<name>`) and under torch.compile (`torch.compile-<name>`,
     compiled afresh per measurement: dynamo reset, so its first call is the compilation). `exact`:
@@ -247,6 +242,13 @@ def all_providers(compile_backend: str = "inductor") -> list[Provider]:
         *_dense("bf16", "baseline", autocast, dense_autocast, compile_backend, why_not=only_16bit),
         _sdpa_trick("flash"),
         _sdpa_trick("cudnn"),
-        *_dense("fp32", "exact", exact, dense_fp32, compile_backend, exact=True),
+        *_dense(
+            "fp32",
+            "exact",
+            exact,
+            functools.partial(dense_attn_kl, dtype=torch.float32),
+            compile_backend,
+            exact=True,
+        ),
         _attention_cudnn(),
     ]
