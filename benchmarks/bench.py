@@ -163,10 +163,8 @@ def gemm_yardstick(device: torch.device, size: int) -> dict | None:
     denominator of "% of GEMM". CUDA only."""
     if device.type != "cuda":
         return None
-    from triton.testing import do_bench
-
     a, b = (torch.randn(size, size, device=device, dtype=torch.bfloat16) for _ in range(2))
-    ms = float(do_bench(lambda: a @ b, warmup=1000, rep=2000, return_mode="median"))
+    ms, _ = time_ms(lambda: a @ b, device, Options(warmup_ms=1000, rep_ms=2000))
     return {"size": size, "dtype": "bfloat16", "ms": ms, "tflops": 2 * size**3 / ms / 1e9}
 
 

@@ -220,6 +220,9 @@ def plots(data: dict, out: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     def save(fig, name):
+        for ax in fig.axes:
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=6)
         fig.tight_layout()
         fig.savefig(out / name, dpi=110)
         plt.close(fig)
@@ -249,8 +252,6 @@ def plots(data: dict, out: Path) -> list[Path]:
         ax.scatter(*zip(*pts), s=12, color=COLORS.get(prov), label=prov)
     ax.set(xscale="log", yscale="log", xlabel="forward ms", ylabel="KL error against float64")
     ax.set_title("forward: error against time, every sweep", fontsize=9)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=6)
     return [*written, save(fig, "error_vs_time.png")]
 
 
@@ -274,8 +275,6 @@ def _panel(ax, recs: list[dict], quantity: str, gemms: list[float]) -> None:
         ax.axhline(tflops, color="gray", ls=":", label=None if i else "bf16 GEMM")
     ax.set_xscale("log", base=2)
     ax.set(xlabel="N = Nq = Nk", ylabel="TFLOP/s" if quantity == "tflops" else "ms")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=6)
 
 
 def render(data: dict, out, with_plots: bool = True) -> list[Path]:
