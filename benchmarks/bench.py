@@ -16,9 +16,12 @@ import argparse
 import collections
 import dataclasses
 import datetime
+import functools
 import gc
 import importlib.metadata
+import itertools
 import json
+import math
 import os
 import platform
 import re
@@ -40,7 +43,12 @@ from benchmarks.providers import Case, Provider, all_providers, attn_kl_flops  #
 from streamkl.testing import rel_err  # noqa: E402
 
 K = 1024
-SWEEPS = ("n", "decode", "shapes", "long")
+SWEEPS = {  # name: what it varies
+    "n": "N = Nq = Nk",
+    "decode": "a few query rows against a long key sequence",
+    "shapes": "D1 != D2 and grouped key heads",
+    "long": "long context, streamkl only",
+}
 SCHEMA = "streamkl-bench/2"
 STREAMKL_NAMES = tuple(f"streamkl-{name}" for name in streamkl.BACKENDS)
 
@@ -64,69 +72,53 @@ def _sizes(text: str | None) -> list[int] | None:
 
 
 def build_sweeps(names: list[str], args) -> list[Sweep]:
-    full, h, d = args.full, args.heads, args.dim
-    causals = {"0": [False], "1": [True], "both": [False, True]}[args.causal]
-
-    def case(n_q, n_k, causal, **kw):
-        kw = {"d1": d, "d2": d, **kw}
-        return Case(b=args.batch, h=h, nq=n_q, nk=n_k, causal=causal, dtype=args.dtype, **kw)
-
-    sweeps = []
-    for name in names:
-        if name == "n":
-            sizes = _sizes(args.sizes) or [
-                s * K for s in ([4, 8, 16, 32, 64, 128, 256, 512] if full else [4, 8, 16, 32])
-            ]
-            cases = [case(n, n, c) for c in causals for n in sizes]
-            sweeps.append(Sweep("n", "N = Nq = Nk", cases))
-        elif name == "decode":
-            nqs = _sizes(args.decode_nq) or ([1, 2, 4, 8, 16, 32, 64, 128, 256] if full else [1, 16, 64, 256])
-            nks = _sizes(args.decode_nk) or [s * K for s in ([32, 64, 128] if full else [32, 128])]
-            cases = [case(nq, nk, c) for c in causals for nk in nks for nq in nqs]
-            sweeps.append(Sweep("decode", "a few query rows against a long key sequence", cases))
-        elif name == "shapes":
-            n = (_sizes(args.sizes) or [8 * K])[0]
-            shapes = {
-                "D2=D/2": dict(d2=d // 2),
-                "D1=D/2": dict(d1=d // 2),
-                "GQA H/4": dict(hk1=max(1, h // 4), hk2=max(1, h // 4)),
-                "D2=D/2, GQA H/4, H/8": dict(d2=d // 2, hk1=max(1, h // 4), hk2=max(1, h // 8)),
-            }
-            if full:
-                shapes["MQA"] = dict(hk1=1, hk2=1)
-            cases = [case(n, n, c, label=label, **kw) for c in causals for label, kw in shapes.items()]
-            sweeps.append(Sweep("shapes", "D1 != D2 and grouped key heads", cases))
-        elif name == "long":
-            sizes = _sizes(args.long_sizes) or [128 * K, 512 * K, 1024 * K]
-            long_causals = causals if full or args.causal != "both" else [True]
-            cases = [case(n, n, c) for c in long_causals for n in sizes]
-            modes = ("fwd", "train") if full else ("train",)
-            sweeps.append(Sweep("long", "long context, streamkl only", cases, STREAMKL_NAMES, modes))
-    return sweeps
-
-
-def smoke_sweeps() -> list[Sweep]:
-    """Every sweep in miniature for the CPU in seconds: bf16 (where every CPU provider runs) in
-    the n sweep, float32 in the others."""
-
-    def case(n_q, n_k, causal, dtype="float32", **kw):
-        kw = {"d1": 16, "d2": 16, **kw}
-        return Case(b=1, h=2, nq=n_q, nk=n_k, causal=causal, dtype=dtype, **kw)
-
-    return [
-        Sweep("n", "N = Nq = Nk", [case(n, n, c, "bfloat16") for c in (False, True) for n in (64, 128)]),
-        Sweep(
-            "decode",
-            "a few query rows against a long key sequence",
-            [case(1, 128, True), case(8, 128, False)],
-        ),
-        Sweep(
-            "shapes",
-            "D1 != D2 and grouped key heads",
-            [case(64, 64, True, d2=8, label="D2=D/2"), case(64, 64, False, hk1=1, hk2=1, label="GQA H/2")],
-        ),
-        Sweep("long", "long context, streamkl only", [case(256, 256, True)], STREAMKL_NAMES, ("train",)),
-    ]
+    """The sweeps named, at the quick sizes, every size (--full), or in miniature (--smoke)."""
+    if args.smoke:  # every sweep for the CPU in seconds: bf16 (where every CPU provider runs) in n
+        case = lambda nq, nk, causal, dtype="float32", **kw: Case(
+            b=1, h=2, nq=nq, nk=nk, causal=causal, dtype=dtype, **{"d1": 16, "d2": 16, **kw}
+        )
+        cases = {
+            "n": [case(n, n, c, "bfloat16") for c in (False, True) for n in (64, 128)],
+            "decode": [case(1, 128, True), case(8, 128, False)],
+            "shapes": [
+                case(64, 64, True, d2=8, label="D2=D/2"),
+                case(64, 64, False, hk1=1, hk2=1, label="GQA H/2"),
+            ],
+            "long": [case(256, 256, True)],
+        }
+    else:
+        full, h, d = args.full, args.heads, args.dim
+        causals = {"0": [False], "1": [True], "both": [False, True]}[args.causal]
+        case = lambda nq, nk, causal, **kw: Case(
+            b=args.batch, h=h, nq=nq, nk=nk, causal=causal, dtype=args.dtype, **{"d1": d, "d2": d, **kw}
+        )
+        ns = _sizes(args.sizes) or [s * K for s in [4, 8, 16, 32, *([64, 128, 256, 512] if full else [])]]
+        nqs = _sizes(args.decode_nq) or ([1, 2, 4, 8, 16, 32, 64, 128, 256] if full else [1, 16, 64, 256])
+        nks = _sizes(args.decode_nk) or [s * K for s in ([32, 64, 128] if full else [32, 128])]
+        n_shapes = (_sizes(args.sizes) or [8 * K])[0]
+        gqa = dict(hk1=max(1, h // 4), hk2=max(1, h // 4))
+        shapes = {
+            "D2=D/2": dict(d2=d // 2),
+            "D1=D/2": dict(d1=d // 2),
+            "GQA H/4": gqa,
+            "D2=D/2, GQA H/4, H/8": dict(d2=d // 2, hk1=gqa["hk1"], hk2=max(1, h // 8)),
+            **({"MQA": dict(hk1=1, hk2=1)} if full else {}),
+        }
+        long_causals = causals if full or args.causal != "both" else [True]
+        cases = {
+            "n": [case(n, n, c) for c in causals for n in ns],
+            "decode": [case(nq, nk, c) for c in causals for nk in nks for nq in nqs],
+            "shapes": [
+                case(n_shapes, n_shapes, c, label=k, **kw) for c in causals for k, kw in shapes.items()
+            ],
+            "long": [
+                case(n, n, c)
+                for c in long_causals
+                for n in _sizes(args.long_sizes) or [128 * K, 512 * K, K * K]
+            ],
+        }
+    long = (STREAMKL_NAMES, ("fwd", "train") if args.full else ("train",))
+    return [Sweep(name, SWEEPS[name], cases[name], *(long if name == "long" else ())) for name in names]
 
 
 # ------------------------------------------------------------------------- timing and memory
@@ -171,10 +163,8 @@ def gemm_yardstick(device: torch.device, size: int) -> dict | None:
     denominator of "% of GEMM". CUDA only."""
     if device.type != "cuda":
         return None
-    from triton.testing import do_bench
-
     a, b = (torch.randn(size, size, device=device, dtype=torch.bfloat16) for _ in range(2))
-    ms = float(do_bench(lambda: a @ b, warmup=1000, rep=2000, return_mode="median"))
+    ms, _ = time_ms(lambda: a @ b, device, Options(warmup_ms=1000, rep_ms=2000))
     return {"size": size, "dtype": "bfloat16", "ms": ms, "tflops": 2 * size**3 / ms / 1e9}
 
 
@@ -182,9 +172,7 @@ def gemm_yardstick(device: torch.device, size: int) -> dict | None:
 def _git(*cmd: str) -> str | None:
     root = Path(__file__).resolve().parents[1]
     try:
-        return subprocess.run(
-            ["git", "-C", str(root), *cmd], capture_output=True, text=True, check=True
-        ).stdout
+        return subprocess.run(["git", "-C", root, *cmd], capture_output=True, text=True, check=True).stdout
     except (OSError, subprocess.CalledProcessError):
         return None
 
@@ -198,17 +186,14 @@ def _cpu_name() -> str:
 
 
 def environment(device: torch.device, argv: list[str], commit: str | None = None) -> dict:
-    def version(name):
-        try:
-            return importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            return None
-
+    dirty = None  # unknown where --commit names the commit: a copy without .git
     if commit is None:
         commit = (_git("rev-parse", "HEAD") or "").strip() or None
         dirty = bool(_git("status", "--porcelain", "--untracked-files=no")) if commit else None
-    else:
-        dirty = None  # named by --commit: a copy without .git
+    try:
+        triton = importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        triton = None
     cuda = device.type == "cuda"
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
@@ -217,7 +202,7 @@ def environment(device: torch.device, argv: list[str], commit: str | None = None
         "dirty": dirty,
         "python": platform.python_version(),
         "torch": torch.__version__,
-        "triton": version("triton"),
+        "triton": triton,
         "cuda": torch.version.cuda,
         "device": torch.cuda.get_device_name(device) if cuda else _cpu_name(),
         "device_type": device.type,
@@ -282,12 +267,11 @@ class Runner:
         self.oom_at: dict[tuple, int] = {}  # (sweep, provider, mode) -> fewest logits that ran out
         self.t0 = time.perf_counter()
 
-    def save(self) -> Path:
+    def save(self) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
-        path = self.out / "results.json"
-        path.with_suffix(".tmp").write_text(json.dumps(self.data, indent=1))
-        os.replace(path.with_suffix(".tmp"), path)
-        return path
+        tmp = self.out / "results.tmp"  # then renamed: a run killed mid-write keeps the last one
+        tmp.write_text(json.dumps(self.data, indent=1))
+        os.replace(tmp, self.out / "results.json")
 
     def run(self, sweeps: list[Sweep]) -> dict:
         gemm = self.data["runs"][0]["gemm"] = {"start": gemm_yardstick(self.device, self.opt.gemm_size)}
@@ -302,24 +286,23 @@ class Runner:
         return self.data
 
     def run_case(self, sweep: Sweep, case: Case, providers: list[Provider]) -> None:
+        measurements = list(itertools.product(sweep.modes, providers))
         try:
             inputs = case.inputs(self.device, self.opt.seed)
             gen = torch.Generator(device=self.device).manual_seed(self.opt.seed + 1)
             g = torch.randn(case.b, case.h, case.nq, generator=gen, device=self.device)
+            reference = Reference(case, inputs, g, self.opt.check_rows)
         except Exception as exc:  # noqa: BLE001 - inputs that do not fit: every measurement says so
-            for mode in sweep.modes:
-                for prov in providers:
-                    self._record(sweep, case, prov, mode, status="error", reason=f"inputs: {exc}"[:500])
-            free_memory(self.device)
-            return
-        reference = Reference(case, inputs, g, self.opt.check_rows)
-        for mode in sweep.modes:
-            for prov in providers:
-                self.measure(sweep, case, prov, mode, inputs, g, reference)
-        del inputs, g, reference
+            for mode, prov in measurements:
+                self._record(sweep, case, prov, mode, {"status": "error", "reason": f"inputs: {exc}"[:500]})
+        else:
+            for mode, prov in measurements:
+                fields = self.measure(sweep, case, prov, mode, inputs, g, reference)
+                self._record(sweep, case, prov, mode, fields)
+            del inputs, g, reference
         free_memory(self.device)
 
-    def _record(self, sweep, case, prov, mode, **fields) -> dict:
+    def _record(self, sweep, case, prov, mode, fields) -> None:
         rec = {
             "run": 0,
             "sweep": sweep.name,
@@ -334,33 +317,27 @@ class Runner:
         self.data["records"].append(rec)
         self.save()
         self.log(report.one_line(rec))
-        return rec
-
-    def _not_run(self, sweep, case, prov, mode, inputs) -> tuple[str, str] | None:
-        elapsed = time.perf_counter() - self.t0
-        if self.opt.max_seconds is not None and elapsed > self.opt.max_seconds:
-            return "n/a", f"not started: --max-seconds {self.opt.max_seconds:g} spent"
-        if mode == "train" and prov.train is None:
-            return "n/a", "no training step (a forward yardstick)"
-        reason = prov.why_not(case, inputs)
-        if reason:
-            return "n/a", reason
-        smallest = self.oom_at.get((sweep.name, prov.name, mode))
-        if smallest is not None and case.logits >= smallest:
-            return "oom", f"not run: out of memory at {smallest} logits, here {case.logits}"
-        return None
 
     def measure(self, sweep, case, prov, mode, inputs, g, reference) -> dict:
-        skip = self._not_run(sweep, case, prov, mode, inputs)
-        if skip:
-            return self._record(sweep, case, prov, mode, status=skip[0], reason=skip[1])
-        fields = {}
+        """The record's fields: why it did not run (n/a, or oom where a smaller case ran out), or
+        its timing, or its failure."""
+        key = (sweep.name, prov.name, mode)
+        if self.opt.max_seconds is not None and time.perf_counter() - self.t0 > self.opt.max_seconds:
+            return {"status": "n/a", "reason": f"not started: --max-seconds {self.opt.max_seconds:g} spent"}
+        if mode == "train" and prov.train is None:
+            return {"status": "n/a", "reason": "no training step (a forward yardstick)"}
+        if reason := prov.why_not(case, inputs):
+            return {"status": "n/a", "reason": reason}
+        if case.logits >= self.oom_at.get(key, math.inf):
+            return {
+                "status": "oom",
+                "reason": f"not run: out of memory at {self.oom_at[key]} logits, here {case.logits}",
+            }
         try:
             fields = self._time(case, prov, mode, inputs, g, reference)
         except torch.cuda.OutOfMemoryError as exc:
-            fields = {"status": "oom", "reason": str(exc).splitlines()[0][:300]}
-            key = (sweep.name, prov.name, mode)
             self.oom_at[key] = min(self.oom_at.get(key, case.logits), case.logits)
+            fields = {"status": "oom", "reason": str(exc).splitlines()[0][:300]}
         except Exception as exc:  # noqa: BLE001 - a failure is a result, the run goes on
             fields = {
                 "status": "error",
@@ -368,7 +345,7 @@ class Runner:
                 "traceback": traceback.format_exc(limit=-6)[-3000:],
             }
         free_memory(self.device)
-        return self._record(sweep, case, prov, mode, **fields)
+        return fields
 
     def _time(self, case, prov, mode, inputs, g, reference) -> dict:
         """First call (warm-up: JIT, autotuning, compilation; checked), a second call (peak memory
@@ -427,19 +404,17 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--dim", type=int, default=128)
-    p.add_argument(
-        "--dtype", choices=["bfloat16", "float16", "float32"], default=None, help="default: bf16 on GPU"
-    )
+    p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], help="default: bf16 on GPU")
     p.add_argument("--causal", choices=["0", "1", "both"], default="both")
     p.add_argument("--providers", help="comma list of provider names (default: all)")
     p.add_argument("--device", help="cuda (the default when there is one) or cpu")
     p.add_argument("--out", help="output folder (default: docs/benchmarks/<date>_<device>)")
     p.add_argument("--warmup-ms", type=float, default=25.0, help="do_bench warm-up")
     p.add_argument("--rep-ms", type=float, default=100.0, help="do_bench measuring time")
-    p.add_argument("--min-run-time", type=float, default=None, help="CPU: blocked_autorange seconds")
+    p.add_argument("--min-run-time", type=float, help="CPU: blocked_autorange seconds")
     p.add_argument("--long-call-s", type=float, default=5.0, help="calls this long are timed once")
     p.add_argument("--check-rows", type=int, default=64, help="query rows checked against float64")
-    p.add_argument("--max-seconds", type=float, default=None, help="start no measurement after this")
+    p.add_argument("--max-seconds", type=float, help="start no measurement after this")
     p.add_argument("--gemm-size", type=int, default=8192)
     p.add_argument("--compile-backend", help="default: inductor on GPU, aot_eager on CPU")
     p.add_argument("--commit", help="the commit to record where the copy has no .git")
@@ -454,38 +429,26 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() and not args.smoke else "cpu"))
     cuda = device.type == "cuda"
     providers = all_providers(args.compile_backend or ("inductor" if cuda else "aot_eager"))
-    if args.smoke:
-        sweeps = smoke_sweeps()
-        # Triton's interpreter takes about a second a call: the smoke run leaves it to the tests
-        interpreted = dataclasses.replace(
-            next(p for p in providers if p.name == "streamkl-triton"),
-            why_not=lambda case, inputs: "left out of --smoke (Triton's interpreter: about 1 s a call)",
-        )
-        providers = [interpreted if p.name == "streamkl-triton" else p for p in providers]
-    else:
-        names = list(SWEEPS) if args.sweep == "all" else args.sweep.split(",")
-        if set(names) - set(SWEEPS):
-            parser().error(f"unknown sweep in {args.sweep!r}; expected {', '.join(SWEEPS)} or all")
-        args.dtype = args.dtype or ("bfloat16" if cuda else "float32")
-        sweeps = build_sweeps(names, args)
+    names = list(SWEEPS) if args.sweep == "all" or args.smoke else args.sweep.split(",")
+    if set(names) - set(SWEEPS):
+        parser().error(f"unknown sweep in {args.sweep!r}; expected {', '.join(SWEEPS)} or all")
+    args.dtype = args.dtype or ("bfloat16" if cuda else "float32")
+    sweeps = build_sweeps(names, args)
+    if args.smoke:  # Triton's interpreter takes about a second a call: the smoke run leaves it to the tests
+        why = "left out of --smoke (Triton's interpreter: about 1 s a call)"
+        providers = [
+            dataclasses.replace(p, why_not=lambda case, inputs: why) if p.name == "streamkl-triton" else p
+            for p in providers
+        ]
     if args.providers:
         wanted = args.providers.split(",")
-        unknown = set(wanted) - {p.name for p in providers}
-        if unknown:
+        if unknown := set(wanted) - {p.name for p in providers}:
             parser().error(
                 f"unknown providers {sorted(unknown)}; known: {', '.join(p.name for p in providers)}"
             )
         providers = [p for p in providers if p.name in wanted]
-    options = Options(
-        warmup_ms=args.warmup_ms,
-        rep_ms=args.rep_ms,
-        min_run_time=args.min_run_time or (0.01 if args.smoke else 0.2),
-        long_call_s=args.long_call_s,
-        check_rows=args.check_rows,
-        max_seconds=args.max_seconds,
-        gemm_size=args.gemm_size,
-        seed=args.seed,
-    )
+    args.min_run_time = args.min_run_time or (0.01 if args.smoke else 0.2)
+    options = Options(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Options)})
     env = environment(device, ["benchmarks/bench.py", *argv], args.commit)
     slug = re.sub(r"[^a-z0-9]+", "-", env["device"].lower().replace("nvidia", "")).strip("-")
     out = Path(args.out or f"docs/benchmarks/{env['date'][:10]}_{slug if cuda else 'cpu'}")
@@ -498,10 +461,9 @@ def main(argv: list[str] | None = None) -> int:
             "options": dataclasses.asdict(options),
         },
     }
-    log = lambda msg: print(msg, flush=True)
+    log = functools.partial(print, flush=True)
     log(f"benchmarks/bench.py on {env['device']}: sweeps {', '.join(s.name for s in sweeps)}; out {out}")
-    runner = Runner(device, providers, out, options, run, log)
-    data = runner.run(sweeps)
+    data = Runner(device, providers, out, options, run, log).run(sweeps)
     try:
         written = report.render(data, out, with_plots=not args.no_plots)
     except ImportError as exc:  # matplotlib missing: the JSON and the tables are the record

@@ -15,6 +15,7 @@ computes no KL: what a fused kernel of the same two GEMMs should approach).
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,7 +26,6 @@ import streamkl
 from benchmarks import sdpa_trick
 from streamkl.testing import dense_attn_kl, visible_mask
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # The reference backend is the slow oracle: on a GPU it runs problems up to this many visible pairs
 # (N = 8K at 32 heads, non-causal).
 REFERENCE_MAX_PAIRS_CUDA = 2**31
@@ -58,9 +58,6 @@ class Case:
         """Entries of one Nq x Nk logits matrix over batch and heads: what dense memory grows with."""
         return self.b * self.h * self.nq * self.nk
 
-    def scales(self) -> tuple[float, float]:
-        return self.d1**-0.5, self.d2**-0.5
-
     def inputs(self, device, seed: int = 0) -> tuple[torch.Tensor, ...]:
         gen = torch.Generator(device=device).manual_seed(seed)
         shapes = [
@@ -69,7 +66,7 @@ class Case:
             (self.b, self.h, self.nq, self.d2),
             (self.b, self.hk2 or self.h, self.nk, self.d2),
         ]
-        dtype = DTYPES[self.dtype]
+        dtype = getattr(torch, self.dtype)  # "bfloat16", "float16", "float32"
         return tuple(torch.randn(s, generator=gen, device=device, dtype=dtype) for s in shapes)
 
 
@@ -116,16 +113,21 @@ class Provider:
     why_not: Callable[[Case, tuple], str | None] = lambda case, inputs: None
 
 
-def autograd_train(fwd: Callable) -> Callable:
-    """The training step through autograd: the teacher detached, the gradients of q2 and k2."""
+def by_autograd(fwd: Callable[[Case], Callable]) -> Callable[[Case], Callable]:
+    """The training step of a forward through autograd: the teacher detached, the gradients of
+    q2 and k2."""
 
-    def train(q1, k1, q2, k2, g):
-        q2, k2 = q2.detach().requires_grad_(), k2.detach().requires_grad_()
-        kl = fwd(q1, k1, q2, k2)
-        dq2, dk2 = torch.autograd.grad(kl, (q2, k2), g)
-        return kl.detach(), dq2, dk2
+    def make(case):
+        kl_of = fwd(case)
 
-    return train
+        def train(q1, k1, q2, k2, g):
+            q2, k2 = q2.detach().requires_grad_(), k2.detach().requires_grad_()
+            kl = kl_of(q1, k1, q2, k2)
+            return kl.detach(), *torch.autograd.grad(kl, (q2, k2), g)
+
+        return train
+
+    return make
 
 
 @contextlib.contextmanager
@@ -159,44 +161,26 @@ def dense_autocast(q1, k1, q2, k2, causal: bool):
     return (logp1.exp() * diff).sum(-1)
 
 
-def dense_fp32(q1, k1, q2, k2, causal: bool):
-    return dense_attn_kl(q1, k1, q2, k2, causal=causal, dtype=torch.float32)
-
-
 def _dense(name, kind, what, formula, compile_backend, exact=False, why_not=None) -> list[Provider]:
     """The dense formula eager (`torch-<name>`) and under torch.compile (`torch.compile-<name>`,
     compiled afresh per measurement: dynamo reset, so its first call is the compilation). `exact`:
     float32 products in true float32 around every call, compilation included."""
 
-    def around(fn):
-        if not exact:
-            return fn
+    def build(compiled):
+        def fwd(case):
+            fn = lambda q1, k1, q2, k2: formula(q1, k1, q2, k2, case.causal)
+            if compiled:
+                torch._dynamo.reset()
+                fn = torch.compile(fn, backend=compile_backend, dynamic=False)
+            return exact_fp32_matmuls()(fn) if exact else fn  # a context manager is a decorator too
 
-        def call(*args):
-            with exact_fp32_matmuls():
-                return fn(*args)
+        return fwd
 
-        return call
-
-    def eager(case):
-        return around(lambda q1, k1, q2, k2: formula(q1, k1, q2, k2, case.causal))
-
-    def compiled(case):
-        torch._dynamo.reset()
-        fn = lambda q1, k1, q2, k2: formula(q1, k1, q2, k2, case.causal)
-        return around(torch.compile(fn, backend=compile_backend, dynamic=False))
-
+    hows = {"torch": "eager", "torch.compile": f"torch.compile ({compile_backend})"}
     why_not = why_not or (lambda case, inputs: None)
     return [
-        Provider(f"torch-{name}", kind, f"{what}, eager", eager, lambda c: autograd_train(eager(c)), why_not),
-        Provider(
-            f"torch.compile-{name}",
-            kind,
-            f"{what}, torch.compile ({compile_backend})",
-            compiled,
-            lambda c: autograd_train(compiled(c)),
-            why_not,
-        ),
+        Provider(f"{prefix}-{name}", kind, f"{what}, {how}", fwd, by_autograd(fwd), why_not)
+        for (prefix, how), fwd in zip(hows.items(), (build(False), build(True)))
     ]
 
 
@@ -211,31 +195,27 @@ def _streamkl(backend: str) -> Provider:
         return streamkl.available_backends(*inputs)[backend]
 
     what = f"`streamkl.attn_kl(..., backend={backend!r})`; train: autograd of q2, k2"
-    return Provider(f"streamkl-{backend}", "streamkl", what, fwd, lambda c: autograd_train(fwd(c)), why_not)
+    return Provider(f"streamkl-{backend}", "streamkl", what, fwd, by_autograd(fwd), why_not)
 
 
 def _sdpa_trick(backend: str) -> Provider:
-    def kw(case):
-        s1, s2 = case.scales()
-        return dict(causal=case.causal, scale1=s1, scale2=s2, backend=backend)
-
-    def fwd(case):
-        return lambda q1, k1, q2, k2: sdpa_trick.kl(q1, k1, q2, k2, **kw(case))
-
-    def train(case):
-        return lambda q1, k1, q2, k2, g: sdpa_trick.train(q1, k1, q2, k2, g, **kw(case))
+    def of_case(fn):
+        scales = lambda case: dict(scale1=case.d1**-0.5, scale2=case.d2**-0.5)
+        return lambda case: functools.partial(fn, causal=case.causal, backend=backend, **scales(case))
 
     what = (
         f"KL from three {backend} attention forwards; train: the same three forwards, then the two "
         "value-gradients of O12 and O22 in one autograd call (sdpa_trick.train)"
     )
     why_not = lambda case, inputs: sdpa_trick.unsupported(*inputs, case.causal, backend)
-    return Provider(f"sdpa-trick-{backend}", "baseline", what, fwd, train, why_not)
+    return Provider(
+        f"sdpa-trick-{backend}", "baseline", what, of_case(sdpa_trick.kl), of_case(sdpa_trick.train), why_not
+    )
 
 
 def _attention_cudnn() -> Provider:
     def fwd(case):
-        scale = case.scales()[0]
+        scale = case.d1**-0.5
         return lambda q1, k1, q2, k2: sdpa_trick.attention(q1, k1, k1, case.causal, scale, "cudnn")[0]
 
     def why_not(case, inputs):
@@ -262,6 +242,13 @@ def all_providers(compile_backend: str = "inductor") -> list[Provider]:
         *_dense("bf16", "baseline", autocast, dense_autocast, compile_backend, why_not=only_16bit),
         _sdpa_trick("flash"),
         _sdpa_trick("cudnn"),
-        *_dense("fp32", "exact", exact, dense_fp32, compile_backend, exact=True),
+        *_dense(
+            "fp32",
+            "exact",
+            exact,
+            functools.partial(dense_attn_kl, dtype=torch.float32),
+            compile_backend,
+            exact=True,
+        ),
         _attention_cudnn(),
     ]

@@ -75,12 +75,6 @@ def error_cell(rec: dict | None) -> str:
     return " / ".join(f"{err[k]:.1e}" for k in ("kl", "dq2", "dk2") if k in err)
 
 
-def gemm_tflops(data: dict, rec: dict) -> float | None:
-    """TFLOP/s of the GEMM yardstick at the start of the record's run (None off CUDA)."""
-    start = ((data["runs"][rec.get("run", 0)].get("gemm") or {}).get("start")) or {}
-    return start.get("tflops")
-
-
 def one_line(rec: dict) -> str:
     head = f"[{rec['sweep']}] {case_name(rec['case'])} {rec['provider']} {rec['mode']}"
     if rec["status"] != "ok":
@@ -103,8 +97,7 @@ def merge(runs: list[dict]) -> dict:
     devices = {r["environment"]["device"] for data in runs for r in data["runs"]}
     if len(devices) > 1:
         raise ValueError(f"refusing to merge runs from different devices: {sorted(devices)}")
-    merged = {"schema": runs[0]["schema"], "runs": [], "records": []}
-    by_key: dict[tuple, dict] = {}
+    merged, by_key = {"schema": runs[0]["schema"], "runs": [], "records": []}, {}
     for data in runs:
         offset = len(merged["runs"])
         merged["runs"] += data["runs"]
@@ -118,24 +111,20 @@ def merge(runs: list[dict]) -> dict:
 
 
 # ------------------------------------------------------------------------------------ markdown
-def _groups(records: list[dict]) -> dict[tuple, list[dict]]:
-    """(sweep, case_key, mode) -> its records, in the order measured."""
-    groups: dict[tuple, list[dict]] = {}
-    for r in records:
-        groups.setdefault((r["sweep"], r["case_key"], r["mode"]), []).append(r)
-    return groups
-
-
 def headline(data: dict, sweeps: list[str] | None = None) -> str:
     """Per case and mode: streamkl's fastest backend against the fastest non-fp32 baseline of the
     same run (named), the float32 baselines in a column of their own."""
+    groups = collections.defaultdict(list)  # (sweep, case_key, mode) -> its records, as measured
+    for r in data["records"]:
+        groups[r["sweep"], r["case_key"], r["mode"]].append(r)
     rows = []
-    for (sweep, _, mode), recs in _groups(data["records"]).items():
-        ok = [r for r in recs if r["status"] == "ok"]
-        ours = min((r for r in ok if r["kind"] == "streamkl"), key=lambda r: r["ms"], default=None)
+    for (sweep, _, mode), recs in groups.items():
+        fastest = {}  # kind -> its fastest record (the first measured of equals)
+        for r in sorted((r for r in recs if r["status"] == "ok"), key=lambda r: r["ms"]):
+            fastest.setdefault(r["kind"], r)
+        ours, base = fastest.get("streamkl"), fastest.get("baseline")
         if ours is None or (sweeps and sweep not in sweeps):
             continue
-        base = min((r for r in ok if r["kind"] == "baseline"), key=lambda r: r["ms"], default=None)
         tried = sorted({time_cell(r) for r in recs if r["kind"] == "baseline" and r["status"] != "n/a"})
         named = base["provider"] if base else f"none ran ({', '.join(tried)})" if tried else "—"
         exact = ", ".join(f"{r['provider']} {time_cell(r)}" for r in recs if r["kind"] == "exact")
@@ -146,70 +135,42 @@ def headline(data: dict, sweeps: list[str] | None = None) -> str:
                 mode,
                 ours["provider"].removeprefix("streamkl-"),
                 fmt_ms(ours["ms"]),
-                error_cell(ours),
-                named,
-                fmt_ms(base["ms"]) if base else "—",
-                error_cell(base),
-                f"{base['ms'] / ours['ms']:.2f}x" if base else "—",
-                exact or "—",
             ]
+            + [error_cell(ours), named, fmt_ms(base["ms"]) if base else "—", error_cell(base)]
+            + [f"{base['ms'] / ours['ms']:.2f}x" if base else "—", exact or "—"]
         )
     header = ["sweep", "case", "mode", "streamkl", "ms", "error", "fastest baseline", "ms", "error"]
     return table([*header, "speed-up", "fp32 baselines, ms (exact, not competitors)"], rows)
 
 
-def _environment(data: dict) -> str:
-    rows = []
-    for i, run in enumerate(data["runs"]):
-        env, gemm = run["environment"], run.get("gemm") or {}
-        commit = (env.get("commit") or "unknown")[:12] + (" (dirty)" if env.get("dirty") else "")
-        yard = (
-            " / ".join(f"{g['tflops']:.0f}" for g in (gemm.get("start"), gemm.get("end")) if g)
-            or "— (CUDA only)"
-        )
-        versions = f"torch {env['torch']}, triton {env.get('triton')}, CUDA {env.get('cuda')}"
-        rows.append([i, env["date"], f"`{commit}`", f"`{' '.join(env['argv'])}`", versions, yard])
-    device = data["runs"][0]["environment"]["device"]
-    return f"Device: {device}.\n\n" + table(
-        ["run", "date", "commit", "command", "software", "bf16 GEMM TFLOP/s, start / end"], rows
-    )
-
-
-def _sweep_row(data: dict, r: dict) -> list[str]:
-    ok, gemm = r["status"] == "ok", gemm_tflops(data, r)
-    mem = r.get("mem_bytes") if ok else None
-    return [
-        case_name(r["case"]),
-        r["provider"],
-        time_cell(r),
-        f"{r['tflops']:.3g}" if ok else "—",
-        f"{100 * r['tflops'] / gemm:.0f}%" if ok and gemm else "—",
-        "—" if mem is None else f"{mem / 2**20:,.1f}",
-        error_cell(r),
-        f"{r['first_call_s']:.2f}" if ok else "—",
-    ]
-
-
 def markdown(data: dict) -> str:
-    providers, sweeps = {}, {}
-    for run in data["runs"]:
+    runs, providers, sweeps = [], {}, {}
+    for i, run in enumerate(data["runs"]):
         providers.update(run["config"]["providers"])
         sweeps.update(run["config"]["sweeps"])
+        env, gemm = run["environment"], run.get("gemm") or {}
+        commit = (env.get("commit") or "unknown")[:12] + (" (dirty)" if env.get("dirty") else "")
+        yard = " / ".join(f"{g['tflops']:.0f}" for g in (gemm.get("start"), gemm.get("end")) if g)
+        versions = f"torch {env['torch']}, triton {env.get('triton')}, CUDA {env.get('cuda')}"
+        runs.append(
+            [i, env["date"], f"`{commit}`", f"`{' '.join(env['argv'])}`", versions, yard or "— (CUDA only)"]
+        )
+    device = data["runs"][0]["environment"]["device"]
     kinds = {r["provider"]: r["kind"] for r in data["records"]}
-    parts = [f"# streamkl benchmarks: {data['runs'][0]['environment']['device']}\n", _environment(data)]
-    parts.append(
+    parts = [
+        f"# streamkl benchmarks: {device}\n",
+        f"Device: {device}.\n\n"
+        + table(["run", "date", "commit", "command", "software", "bf16 GEMM TFLOP/s, start / end"], runs),
         "## Providers\n\nTFLOP/s count the useful GEMM work of the case (`benchmarks/providers.py`, "
         "`attn_kl_flops`), whatever a provider computes; % of GEMM is against the run's bf16 GEMM "
         "at its start. Errors are against float64 on the last query rows (KL: max over rows of "
         "|kl - ref| / max(1, |ref|); dq2 on those rows and dk2: relative norm error). Peak extra "
         "memory (CUDA only) counts what one call allocates beyond what was allocated before it, "
         "its outputs included; the first call (compilation, autotuning) is never timed.\n\n"
-        + table(["provider", "kind", "what"], [[n, kinds.get(n, ""), w] for n, w in providers.items()])
-    )
-    parts.append(
+        + table(["provider", "kind", "what"], [[n, kinds.get(n, ""), w] for n, w in providers.items()]),
         "## Headline\n\nstreamkl's fastest backend against the fastest non-fp32 baseline measured "
-        "in the same run for the same case; errors KL / dq2 / dk2.\n\n" + headline(data)
-    )
+        "in the same run for the same case; errors KL / dq2 / dk2.\n\n" + headline(data),
+    ]
     measured = [r for r in data["records"] if r["status"] != "n/a"]
     header = ["case", "provider", "ms", "TFLOP/s", "% of GEMM", "peak extra MiB", "error", "first call s"]
     for sweep, what in sweeps.items():
@@ -226,13 +187,28 @@ def markdown(data: dict) -> str:
     if not_run:
         rows = [[p, reason, n] for (p, reason), n in not_run.items()]
         parts.append("## Not run\n\n" + table(["provider", "why", "measurements"], rows))
-    failed = [r for r in data["records"] if r["status"] == "error"]
-    if failed:
+    if failed := [r for r in data["records"] if r["status"] == "error"]:
         rows = [
             [r["sweep"], case_name(r["case"]), r["provider"], r["mode"], r["reason"][:200]] for r in failed
         ]
         parts.append("## Errors\n\n" + table(["sweep", "case", "provider", "mode", "error"], rows))
     return "\n".join(parts)
+
+
+def _sweep_row(data: dict, r: dict) -> list[str]:
+    ok = r["status"] == "ok"
+    gemm = (((data["runs"][r.get("run", 0)].get("gemm") or {}).get("start")) or {}).get("tflops")
+    mem = r.get("mem_bytes") if ok else None
+    return [
+        case_name(r["case"]),
+        r["provider"],
+        time_cell(r),
+        f"{r['tflops']:.3g}" if ok else "—",
+        f"{100 * r['tflops'] / gemm:.0f}%" if ok and gemm else "—",  # against the run's GEMM at its start
+        "—" if mem is None else f"{mem / 2**20:,.1f}",
+        error_cell(r),
+        f"{r['first_call_s']:.2f}" if ok else "—",
+    ]
 
 
 # --------------------------------------------------------------------------------------- plots
@@ -242,6 +218,15 @@ def plots(data: dict, out: Path) -> list[Path]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    def save(fig, name):
+        for ax in fig.axes:
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=6)
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=110)
+        plt.close(fig)
+        return out / name
 
     n_recs = [r for r in data["records"] if r["sweep"] == "n"]
     modes = sorted({r["mode"] for r in n_recs})
@@ -257,7 +242,7 @@ def plots(data: dict, out: Path) -> list[Path]:
             recs = [r for r in n_recs if (r["mode"], r["case"]["causal"], r["case"]["dtype"]) == key]
             _panel(axes[i][j], recs, quantity, gemms)
             axes[i][j].set_title(f"{mode}, {'causal' if causal else 'full'}, {SHORT_DTYPE.get(dtype, dtype)}")
-        written.append(_save(fig, plt, out / name))
+        written.append(save(fig, name))
     fwd = [
         r for r in data["records"] if (r["mode"], r["status"]) == ("fwd", "ok") and "kl" in r.get("error", {})
     ]
@@ -267,10 +252,7 @@ def plots(data: dict, out: Path) -> list[Path]:
         ax.scatter(*zip(*pts), s=12, color=COLORS.get(prov), label=prov)
     ax.set(xscale="log", yscale="log", xlabel="forward ms", ylabel="KL error against float64")
     ax.set_title("forward: error against time, every sweep", fontsize=9)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=6)
-    written.append(_save(fig, plt, out / "error_vs_time.png"))
-    return written
+    return [*written, save(fig, "error_vs_time.png")]
 
 
 def _panel(ax, recs: list[dict], quantity: str, gemms: list[float]) -> None:
@@ -293,15 +275,6 @@ def _panel(ax, recs: list[dict], quantity: str, gemms: list[float]) -> None:
         ax.axhline(tflops, color="gray", ls=":", label=None if i else "bf16 GEMM")
     ax.set_xscale("log", base=2)
     ax.set(xlabel="N = Nq = Nk", ylabel="TFLOP/s" if quantity == "tflops" else "ms")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=6)
-
-
-def _save(fig, plt, path: Path) -> Path:
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
 
 
 def render(data: dict, out, with_plots: bool = True) -> list[Path]:
@@ -336,10 +309,10 @@ def update_readme(readme: Path, json_path: Path, sweeps: str | None = None) -> N
 
 def stale_readme_blocks(readme: Path) -> list[str]:
     """The JSON paths of README's headline blocks that differ from what their JSON generates."""
-    text = readme.read_text()
+    blocks = README_BLOCK.finditer(readme.read_text())
     return [
         b["path"]
-        for b in README_BLOCK.finditer(text)
+        for b in blocks
         if b[0] != readme_block(b["path"], b["sweeps"], load(readme.parent / b["path"]))
     ]
 

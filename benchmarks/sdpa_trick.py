@@ -22,8 +22,6 @@ query's (D1 == D2).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 BACKENDS = ("flash", "cudnn")
 
@@ -61,15 +59,20 @@ def attention(q, k, v, causal: bool, scale: float, backend: str):
     return o, lse.reshape(q.shape[:3]).float()
 
 
+def _forwards(q1, k1, q2, k2, v12, v22, causal, scale1, scale2, backend):
+    """KL per row (B, H, Nq) float32 from the three attention forwards, with O12 = attn(q1, k1, v12)
+    and O22 = attn(q2, k2, v22); k1, k2 have q's head count."""
+    o11, lse1 = attention(q1, k1, k1, causal, scale1, backend)
+    o12, _ = attention(q1, k1, v12, causal, scale1, backend)
+    o22, lse2 = attention(q2, k2, v22, causal, scale2, backend)
+    kl = scale1 * (q1.float() * o11.float()).sum(-1) - scale2 * (q2.float() * o12.float()).sum(-1)
+    return kl - lse1 + lse2, o12, o22
+
+
 def kl(q1, k1, q2, k2, *, causal: bool, scale1: float, scale2: float, backend: str):
     """KL per row (B, H, Nq) float32 from three attention forwards."""
     k1, k2 = _heads(q1, k1), _heads(q2, k2)
-    o11, lse1 = attention(q1, k1, k1, causal, scale1, backend)
-    o12, _ = attention(q1, k1, k2, causal, scale1, backend)
-    _, lse2 = attention(q2, k2, k2, causal, scale2, backend)
-    e1 = scale1 * (q1.float() * o11.float()).sum(-1)
-    e2 = scale2 * (q2.float() * o12.float()).sum(-1)
-    return e1 - e2 - lse1 + lse2
+    return _forwards(q1, k1, q2, k2, k2, k2, causal, scale1, scale2, backend)[0]
 
 
 def train(q1, k1, q2, k2, g, *, causal: bool, scale1: float, scale2: float, backend: str):
@@ -79,11 +82,7 @@ def train(q1, k1, q2, k2, g, *, causal: bool, scale1: float, scale2: float, back
     k1r, k2r = _heads(q1, k1).detach(), _heads(q2, k2).detach()
     q1, q2 = q1.detach(), q2.detach()
     v12, v22 = k2r.clone().requires_grad_(), k2r.clone().requires_grad_()
-    o11, lse1 = attention(q1, k1r, k1r, causal, scale1, backend)
-    o12, _ = attention(q1, k1r, v12, causal, scale1, backend)
-    o22, lse2 = attention(q2, k2r, v22, causal, scale2, backend)
-    kl = scale1 * (q1.float() * o11.float()).sum(-1) - scale2 * (q2.float() * o12.float()).sum(-1)
-    kl = kl - lse1 + lse2
+    kl, o12, o22 = _forwards(q1, k1r, q2, k2r, v12, v22, causal, scale1, scale2, backend)
     dq2 = (scale2 * g[..., None] * (o22.float() - o12.float())).to(q2.dtype)
     d_out = g[..., None].to(q2.dtype) * q2
     dv22, dv12 = torch.autograd.grad((o22, o12), (v22, v12), (d_out, d_out))
@@ -91,30 +90,3 @@ def train(q1, k1, q2, k2, g, *, causal: bool, scale1: float, scale2: float, back
     if dk2.shape[1] != hk2:  # repeated heads: their gradients add up on the shared key head
         dk2 = dk2.reshape(dk2.shape[0], hk2, -1, *dk2.shape[2:]).sum(2)
     return kl.detach(), dq2, dk2.to(k2.dtype)
-
-
-def _value_grad(q, k, v, d_out, causal: bool, scale: float, backend: str):
-    """dV of attn(q, k, v) for output gradient d_out, through the backend's attention backward."""
-    v = v.detach().requires_grad_()
-    kernel = SDPBackend.CUDNN_ATTENTION if backend == "cudnn" else SDPBackend.FLASH_ATTENTION
-    with sdpa_kernel(kernel):
-        out = F.scaled_dot_product_attention(q.detach(), k.detach(), v, is_causal=causal, scale=scale)
-    (dv,) = torch.autograd.grad(out, v, d_out)
-    return dv
-
-
-def student_grads(q1, k1, q2, k2, g, *, causal: bool, scale1: float, scale2: float, backend: str):
-    """(dq2, dk2) of sum(g * KL) with the teacher fixed, from attention calls alone."""
-    hk2 = k2.shape[1]
-    k1r, k2r = _heads(q1, k1), _heads(q2, k2)
-    o12, _ = attention(q1, k1r, k2r, causal, scale1, backend)
-    o22, _ = attention(q2, k2r, k2r, causal, scale2, backend)
-    gq = g[..., None].to(q2.dtype)
-    dq2 = (scale2 * g[..., None] * (o22.float() - o12.float())).to(q2.dtype)
-    d_out = gq * q2
-    dv = _value_grad(q2, k2r, k2r, d_out, causal, scale2, backend).float()
-    dv -= _value_grad(q1, k1r, k2r, d_out, causal, scale1, backend).float()
-    dk2 = scale2 * dv
-    if dk2.shape[1] != hk2:  # repeated heads: their gradients add up on the shared key head
-        dk2 = dk2.reshape(dk2.shape[0], hk2, -1, *dk2.shape[2:]).sum(2)
-    return dq2, dk2.to(k2.dtype)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from benchmarks.bench import synchronize
 from benchmarks.providers import Case, all_providers, attn_kl_flops
 
 pytestmark = pytest.mark.bench
@@ -23,11 +24,6 @@ ON_GPU = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 N, HEADS, DIM = (4096, 32, 128) if ON_GPU else (128, 2, 16)
 PROVIDERS = {p.name: p for p in all_providers("inductor" if ON_GPU else "aot_eager")}
-
-
-def _sync():
-    if ON_GPU:
-        torch.cuda.synchronize()
 
 
 @pytest.mark.parametrize("mode", ["fwd", "train"])
@@ -46,11 +42,11 @@ def test_speed(benchmark, name, causal, mode):
 
     def call():
         out = fn(*args)
-        _sync()
+        synchronize(DEVICE)
         return out
 
-    call()  # compilation and autotuning stay out of the timing
+    # the warm-up rounds (compilation and autotuning among them) stay out of the timing
     benchmark.pedantic(call, rounds=20 if ON_GPU else 5, warmup_rounds=2)
     flops = attn_kl_flops(case, mode)
-    median_s = benchmark.stats.stats.median
-    benchmark.extra_info.update(flops=flops, tflops=flops / median_s / 1e12, device=str(DEVICE), n=N)
+    tflops = flops / benchmark.stats.stats.median / 1e12
+    benchmark.extra_info.update(flops=flops, tflops=tflops, device=str(DEVICE), n=N)
