@@ -76,6 +76,18 @@ def test_tma_layout_rules():
     assert _launch.tma_reason(torch.empty(1, 1, 1, 3, dtype=torch.bfloat16), "q2") is None  # one row
 
 
+def test_split_k_fills_the_sms_only_where_the_row_tiles_do_not():
+    sms = 132
+    # decode: 32 heads, one row tile each, 32K keys (256 tiles) -> split
+    assert _launch.splits_for(32, 256, 1, sms) > 1
+    # the benchmark shape (8K x 8K, 32 heads: 2048 CTAs) and a full wave stay unsplit
+    assert _launch.splits_for(2048, 64, 1, sms) == 1
+    assert _launch.splits_for(132, 1024, 1, sms) == 1
+    for ctas, tiles, batch in [(1, 1, 1), (1, 7, 1), (3, 10_000, 1), (40_000, 2, 40_000), (2, 4096, 65535)]:
+        s = _launch.splits_for(ctas, tiles, batch, sms)
+        assert 1 <= s <= max(1, tiles // _launch.MIN_TILES_PER_SPLIT) and batch * s <= 65535
+
+
 def test_supports_refuses_what_it_cannot_run_on_cpu():
     q = torch.randn(1, 2, 8, 64, dtype=torch.bfloat16)
     assert "CUDA tensors" in backend.supports(q, q, q, q)
@@ -117,6 +129,31 @@ def test_tile_edges(nq, nk, causal):
         inputs = make_inputs(b=2, h=4, hk1=2, hk2=1, nq=nq, nk=nk, d1=128, d2=64, dtype=dtype, device="cuda",
                              seed=nq * 7 + nk)  # fmt: skip
         _check(inputs, causal)
+
+
+# (nq, nk, hk1, hk2): few query rows against many keys, where split-K runs (one row tile per head,
+# a handful of heads), with ragged ends, one idle consumer warpgroup (nq <= 64) or none.
+DECODE = [(1, 4099, 4, 4), (3, 1000, 2, 1), (64, 2048, 4, 2), (65, 3333, 1, 4), (200, 5000, 4, 4)]
+
+
+@gpu
+@sm90
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("nq,nk,hk1,hk2", DECODE)
+def test_split_k_decode_shapes(nq, nk, hk1, hk2, causal):
+    h = 4
+    bm = 64 * _launch.shipped(128, 128, False)["NWG"]
+    assert _launch.splits_for(-(-nq // bm) * h, -(-nk // 128), 1, _launch._sm_count(0)) > 1
+    for dtype, std in ((torch.bfloat16, 1.0), (torch.float16, 3.0)):
+        inputs = make_inputs(h=h, hk1=hk1, hk2=hk2, nq=nq, nk=nk, d1=128, d2=64, dtype=dtype, device="cuda",
+                             seed=nq + nk, std=std)  # fmt: skip
+        s1, s2 = 1 / math.sqrt(128), 1 / math.sqrt(64)
+        out = tuple(torch.full((1, h, nq), float("nan"), device="cuda") for _ in range(3))
+        kl, lse1, lse2 = _launch.forward(*inputs, causal=causal, scale1=s1, scale2=s2, out=out)
+        torch.cuda.synchronize()
+        expected = Expected(inputs, causal=causal, scale1=s1, scale2=s2)
+        expected.check_kl(kl)
+        expected.check_lse(lse1, lse2)
 
 
 @gpu
@@ -191,6 +228,8 @@ LAG_CASES = [
     (4, 2, 1, 300, 777, 128, 64, torch.bfloat16, 1.0, None, None, False),
     (4, 1, 2, 515, 260, 64, 128, torch.float16, 3.0, 0.11, -0.07, False),
     (2, 2, 2, 200, 600, 96, 40, torch.bfloat16, 2.0, None, None, True),
+    (2, 2, 1, 40, 3000, 128, 128, torch.bfloat16, 50.0, None, None, False),  # split-K
+    (2, 1, 2, 9, 2500, 64, 128, torch.float16, 2.0, None, None, True),  # split-K
 ]
 
 

@@ -198,16 +198,19 @@ def _build(source: str, entry: str, constants: dict, arch: str) -> Build:
     return Build(key, entry, cubin, shown, log, res["registers"], spills, res["stack"], seconds, False)
 
 
-_LOADED: dict[tuple[str, int], object] = {}
+_LOADED: dict[tuple[str, int, str], object] = {}
 
 
-def load(build: Build, device_index: int):
-    """The cuda.core Kernel of a build on one device, loaded once per process."""
-    kernel = _LOADED.get((build.key, device_index))
+def load(build: Build, device_index: int, entry: str | None = None):
+    """The cuda.core Kernel of a build's entry point (default: the one it was compiled for, whose
+    resources it reports; another kernel of the same source by name) on one device, loaded once
+    per process."""
+    entry = entry or build.entry
+    kernel = _LOADED.get((build.key, device_index, entry))
     if kernel is None:
         from cuda.core import Device, ObjectCode
 
         Device(device_index).set_current()
-        kernel = ObjectCode.from_cubin(build.cubin).get_kernel(build.entry)
-        _LOADED[(build.key, device_index)] = kernel
+        kernel = ObjectCode.from_cubin(build.cubin).get_kernel(entry)
+        _LOADED[(build.key, device_index, entry)] = kernel
     return kernel

@@ -22,11 +22,17 @@ LOG2E = 1.4426950408889634
 SMEM_LIMIT = 232448  # dynamic shared memory one sm_90 CTA may opt into (227 KB)
 TMA_BOX = 64  # 16-bit columns per TMA box: one 128-byte swizzle span
 MAX_D = 128  # head dims are padded (by TMA's zero fill) to 64 or 128
-PARAMS_BYTES = 576  # sizeof(Params) in kl_fwd.cu: four 128-byte maps, then the scalars
-_SCALARS = struct.Struct("<3Q7i2f")  # kl, lse1, lse2, h, nq, nk, g1, g2, m_tiles, causal, c1, c2
+PARAMS_BYTES = 640  # sizeof(Params) in kl_fwd.cu: four 128-byte maps, then the scalars
+# kl, lse1, lse2, part, h, nq, nk, g1, g2, m_tiles, causal, splits, rows, c1, c2
+_SCALARS = struct.Struct("<4Q9i2f")
 _PAD = bytes(PARAMS_BYTES - 4 * 128 - _SCALARS.size)
 SOURCE_FILE = "kl_fwd.cu"
 ENTRY = "kl_fwd"
+COMBINE = "kl_combine"  # the split-K epilogue, in the same source
+PART = 6  # floats of one row's partial state (kl_fwd.cu's PART)
+SPLIT_OVERHEAD_TILES = 2  # a CTA's fixed cost (Q loads, pipeline fill, epilogue) in key tiles
+MIN_TILES_PER_SPLIT = 4
+MAX_SPLITS = 64
 
 
 def padded_dim(d: int) -> int:
@@ -65,6 +71,7 @@ def source() -> str:
 
 class Kernel(NamedTuple):
     handle: object  # CUkernel
+    combine: object  # CUkernel of kl_combine
     consts: dict
     smem: int
     threads: int
@@ -85,15 +92,15 @@ def kernel(consts: dict, device_index: int) -> Kernel:
     from cuda.bindings import driver
 
     build = _jit.compile_kernel(source(), ENTRY, consts)
-    handle = _jit.load(build, device_index).handle
+    handle, combine = (_jit.load(build, device_index, entry).handle for entry in (ENTRY, COMBINE))
     if not isinstance(handle, driver.CUkernel):
-        handle = driver.CUkernel(int(handle))
+        handle, combine = driver.CUkernel(int(handle)), driver.CUkernel(int(combine))
     smem = smem_bytes(consts)
     attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
     _check(
         driver.cuKernelSetAttribute(attr, smem, handle, driver.CUdevice(device_index)), "cuKernelSetAttribute"
     )
-    found = Kernel(handle, dict(consts), smem, threads(consts), 64 * consts["NWG"], build)
+    found = Kernel(handle, combine, dict(consts), smem, threads(consts), 64 * consts["NWG"], build)
     _KERNELS[key] = found
     return found
 
@@ -189,6 +196,24 @@ def tensor_map(t: torch.Tensor, rows: int) -> bytes:
 # ---- launch ----
 
 
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def splits_for(ctas: int, key_tiles: int, batch: int, sms: int) -> int:
+    """How many ways to split each row tile's key tiles (split-K): the count that minimizes the
+    waves of one-CTA-per-SM work times a CTA's share (its key tiles plus a fixed cost), so a
+    grid of few row tiles (decode) fills the SMs and a large one stays unsplit."""
+    best, best_cost = 1, None
+    top = max(1, min(MAX_SPLITS, key_tiles // MIN_TILES_PER_SPLIT, 65535 // batch))
+    for s in range(1, top + 1):
+        cost = -(-ctas * s // sms) * (-(-key_tiles // s) + SPLIT_OVERHEAD_TILES)
+        if best_cost is None or cost < best_cost:
+            best, best_cost = s, cost
+    return best
+
+
 def forward(q1, k1, q2, k2, *, causal, scale1, scale2, consts: dict | None = None, out=None):
     """(kl, lse1, lse2) of dense inputs; consts: an instantiation replacing the shipped one
     (benchmarks/cuda_fwd.py's variants); out: three (B, H, Nq) float32 contiguous tensors to
@@ -208,9 +233,13 @@ def forward(q1, k1, q2, k2, *, causal, scale1, scale2, consts: dict | None = Non
         return kl.zero_(), lse1.fill_(float("-inf")), lse2.fill_(float("-inf"))
     if consts is None:
         consts = shipped(padded_dim(D1), padded_dim(D2), q1.dtype == torch.float16)
-    k = kernel(consts, dev.index if dev.index is not None else torch.cuda.current_device())
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    k = kernel(consts, index)
     m_tiles = -(-NQ // k.bm)
     bn = consts["BN"]
+    rows = B * H * NQ
+    splits = splits_for(m_tiles * H * B, -(-NK // bn), B, _sm_count(index)) if rows < 2**31 else 1
+    part = torch.empty(splits * rows * PART if splits > 1 else 0, device=dev, dtype=torch.float32)
     block = (
         tensor_map(q1, 64)
         + tensor_map(k1, bn)
@@ -220,6 +249,7 @@ def forward(q1, k1, q2, k2, *, causal, scale1, scale2, consts: dict | None = Non
             kl.data_ptr(),
             lse1.data_ptr(),
             lse2.data_ptr(),
+            part.data_ptr(),
             H,
             NQ,
             NK,
@@ -227,6 +257,8 @@ def forward(q1, k1, q2, k2, *, causal, scale1, scale2, consts: dict | None = Non
             H // k2.shape[1],
             m_tiles,
             int(bool(causal)),
+            splits,
+            rows if splits > 1 else 0,
             float(scale1) * LOG2E,
             float(scale2) * LOG2E,
         )
@@ -238,8 +270,14 @@ def forward(q1, k1, q2, k2, *, causal, scale1, scale2, consts: dict | None = Non
 
     stream = driver.CUstream(torch.cuda.current_stream(dev).cuda_stream)
     (err,) = driver.cuLaunchKernel(
-        k.handle, m_tiles, H, B, k.threads, 1, 1, k.smem, stream, ctypes.addressof(argv), 0
+        k.handle, m_tiles, H, B * splits, k.threads, 1, 1, k.smem, stream, ctypes.addressof(argv), 0
     )
     if int(err) != 0:
         raise RuntimeError(f"cuLaunchKernel of {ENTRY} {consts} failed: {err!r}")
+    if splits > 1:  # part stays alive until the combine ran: the allocator reuses it in stream order
+        (err,) = driver.cuLaunchKernel(
+            k.combine, -(-rows // 128), 1, 1, 128, 1, 1, 0, stream, ctypes.addressof(argv), 0
+        )
+        if int(err) != 0:
+            raise RuntimeError(f"cuLaunchKernel of {COMBINE} {consts} failed: {err!r}")
     return kl, lse1, lse2

@@ -1,7 +1,10 @@
 // kl_fwd.cu: the fused forward, KL(softmax(s1 Q1 K1^T) || softmax(s2 Q2 K2^T)) per query row.
 //
-// Grid: (cdiv(Nq, BM), H, B), BM = 64 * NWG query rows per CTA; x runs the row tiles from the
-// last to the first, so under causal masking the longest CTAs start first.
+// Grid: (cdiv(Nq, BM), H, B * splits), BM = 64 * NWG query rows per CTA; x runs the row tiles
+// from the last to the first, so under causal masking the longest CTAs start first. Split-K
+// (splits > 1, when the row tiles alone would leave SMs idle: decode, few query rows): split s of
+// z = b * splits + s runs its share of the row tile's key tiles and writes the rows' merged
+// states to part; kl_combine (at the end of this file) merges them.
 // Block: 128 * (NWG + WS) threads, one CTA per SM (__launch_bounds__(.., 1)).
 //   WS = 1: warpgroup 0 is the producer (setmaxnreg.dec; one thread issues every TMA: q1, q2
 //           of the CTA once, then the k1, k2 tiles of each key tile into a STAGES-deep ring);
@@ -48,7 +51,9 @@
 //   empty[s] (count NWG: one arrival per consumer warpgroup).
 // Reads q1, k1, q2, k2 through 4-D tensor maps {D, N, heads, B} built from the tensors' strides
 //   (query head h reads key head h / g); writes kl, lse1, lse2 ([B, H, Nq] float32) of its rows,
-//   kl = 0 and lse = -inf on rows that see no key.
+//   kl = 0 and lse = -inf on rows that see no key (splits > 1: part, [splits, B * H * Nq, 6]).
+// A consumer whose 64 rows all lie past Nq (Nq <= 64) runs no GEMM and no update, keeping only
+//   its barrier duties, so decode-like shapes pay one warpgroup's math per key tile.
 #include "sm90.cuh"
 
 #ifndef D1P
@@ -114,9 +119,15 @@ struct Params {
   float* kl;
   float* lse1;
   float* lse2;
-  int h, nq, nk, g1, g2, m_tiles, causal;
+  float* part;  // splits > 1: [splits][rows][PART] partial row states, for kl_combine
+  int h, nq, nk, g1, g2, m_tiles, causal, splits, rows;  // rows = B * H * Nq
   float c1, c2;  // scale * log2(e)
 };
+
+static_assert(sizeof(Params) == 640, "PARAMS_BYTES in _launch.py packs this layout");
+
+// A row's state after its four threads merge: M1, L1, M2, L2, AA, AB (log2 units).
+constexpr int PART = 6;
 
 KL_DEV void load_q(const Params& p, unsigned base, unsigned bar, int m0, int h, int b) {
   mbar_expect_tx(bar, NWG * (Q1_WG + Q2_WG));
@@ -131,8 +142,9 @@ KL_DEV void load_q(const Params& p, unsigned base, unsigned bar, int m0, int h, 
   }
 }
 
-KL_DEV void load_k(const Params& p, unsigned base, unsigned full, int t, int h1, int h2, int b) {
-  const int stage = t % STAGES;
+// Key tile t into the stage of the CTA's i-th load.
+KL_DEV void load_k(const Params& p, unsigned base, unsigned full, int t, int i, int h1, int h2, int b) {
+  const int stage = i % STAGES;
   const unsigned bar = full + 8 * stage;
   mbar_expect_tx(bar, K1_ST + K2_ST);
 #pragma unroll
@@ -339,8 +351,23 @@ KL_DEV float quad_sum(float x) {
   return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
-// Merges the four threads of each row (log-sum-exp of their partial states) and writes it.
-KL_DEV void finish(const Params& p, const Row* r, const int* rows, int lane, long long out0) {
+// Writes row o's kl, lse1, lse2 from its merged state; a row that saw no key gets 0, -inf, -inf.
+KL_DEV void write_row(const Params& p, long long o, float M1, float L1, float M2, float L2, float AA, float AB) {
+  float kl = 0.f, lse1 = -KL_INF, lse2 = -KL_INF;
+  if (L1 > 0.f) {
+    const float g1 = log2f(L1), g2 = log2f(L2);
+    kl = ((p.c1 * AA - p.c2 * AB) / L1 + (M2 - M1) + g2 - g1) * KL_LN2;
+    lse1 = (M1 + g1) * KL_LN2;
+    lse2 = (M2 + g2) * KL_LN2;
+  }
+  p.kl[o] = kl;
+  p.lse1[o] = lse1;
+  p.lse2[o] = lse2;
+}
+
+// Merges the four threads of each row (log-sum-exp of their partial states) and writes the row,
+// or with splits > 1 its state, as part `split` of the row, for kl_combine.
+KL_DEV void finish(const Params& p, const Row* r, const int* rows, int lane, long long out0, int split) {
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     const float M1 = quad_max(r[i].m1), M2 = quad_max(r[i].m2);
@@ -349,23 +376,20 @@ KL_DEV void finish(const Params& p, const Row* r, const int* rows, int lane, lon
     const float L1 = quad_sum(r[i].l1 * w1), L2 = quad_sum(r[i].l2 * w2);
     const float AA = quad_sum(r[i].aa * w1), AB = quad_sum(r[i].ab * w1);
     if ((lane & 3) == 0 && rows[i] < p.nq) {
-      float kl = 0.f, lse1 = -KL_INF, lse2 = -KL_INF;
-      if (L1 > 0.f) {
-        const float g1 = log2f(L1), g2 = log2f(L2);
-        kl = ((p.c1 * AA - p.c2 * AB) / L1 + (M2 - M1) + g2 - g1) * KL_LN2;
-        lse1 = (M1 + g1) * KL_LN2;
-        lse2 = (M2 + g2) * KL_LN2;
-      }
       const long long o = out0 + rows[i];
-      p.kl[o] = kl;
-      p.lse1[o] = lse1;
-      p.lse2[o] = lse2;
+      if (p.splits > 1) {
+        float* q = p.part + ((long long)split * p.rows + o) * PART;
+        q[0] = M1, q[1] = L1, q[2] = M2, q[3] = L2, q[4] = AA, q[5] = AB;
+      } else {
+        write_row(p, o, M1, L1, M2, L2, AA, AB);
+      }
     }
   }
 }
 
-KL_DEV void consume(const Params& p, int c, int tid, unsigned base, int m0, int n_tiles, int h1, int h2,
-                    int b, long long out0) {
+// Runs key tiles [t0, t0 + n) of its rows (all of them: n_tiles, split 0, without split-K).
+KL_DEV void consume(const Params& p, int c, int tid, unsigned base, int m0, int t0, int n, int h1, int h2,
+                    int b, long long out0, int split) {
   const unsigned bar_q = base + OFF_BAR, full = bar_q + 8, empty = full + 8 * STAGES;
   const int warp = tid / 32, lane = tid % 32;
   const int r0 = m0 + 64 * c;  // this warpgroup's first row
@@ -387,11 +411,22 @@ KL_DEV void consume(const Params& p, int c, int tid, unsigned base, int m0, int 
   const unsigned long long dk1 = smem_desc(base + OFF_K1), dk2 = smem_desc(base + OFF_K2);
   mbar_wait(bar_q, 0);
 #if PINGPONG
-  if (c == NWG - 1 && n_tiles > 0) named_arrive(1, 256);  // the first turn is warpgroup 0's
+  if (c == NWG - 1 && n > 0) named_arrive(1, 256);  // the first turn is warpgroup 0's
 #endif
-  for (int t = 0; t < n_tiles; ++t) {
-    const int stage = t % STAGES;
-    const unsigned phase = (t / STAGES) & 1;
+  if (r0 >= p.nq) {  // every row past Nq (decode): only the barrier duties, no GEMM, no update
+    for (int i = 0; i < n; ++i) {
+      mbar_wait(full + 8 * (i % STAGES), (i / STAGES) & 1);
+#if PINGPONG
+      named_sync(1 + c, 256);
+      if (!(c == NWG - 1 && i == n - 1)) named_arrive(1 + (c + 1) % NWG, 256);
+#endif
+      if (tid == 0) mbar_arrive(empty + 8 * (i % STAGES));
+    }
+    return;  // (never warpgroup 0, which refills the ring when WS = 0: m0 < Nq)
+  }
+  for (int i = 0; i < n; ++i) {
+    const int t = t0 + i, stage = i % STAGES;
+    const unsigned phase = (i / STAGES) & 1;
     mbar_wait(full + 8 * stage, phase);
 #if PINGPONG
     named_sync(1 + c, 256);
@@ -406,7 +441,7 @@ KL_DEV void consume(const Params& p, int c, int tid, unsigned base, int m0, int 
 #endif
     wgmma_commit();
 #if PINGPONG
-    if (!(c == NWG - 1 && t == n_tiles - 1)) named_arrive(1 + (c + 1) % NWG, 256);
+    if (!(c == NWG - 1 && i == n - 1)) named_arrive(1 + (c + 1) % NWG, 256);
 #endif
     const bool masked = t >= n_full;
     const int cb = t * BN + 2 * (lane & 3);  // this thread's first column in the tile
@@ -414,37 +449,41 @@ KL_DEV void consume(const Params& p, int c, int tid, unsigned base, int m0, int 
     wgmma_wait<1>();
     fence_regs<NR>(s1);
     if (masked)
-      update1<true>(s1, r, p.c1, rel, t == 0);
+      update1<true>(s1, r, p.c1, rel, i == 0);
     else
-      update1<false>(s1, r, p.c1, rel, t == 0);
+      update1<false>(s1, r, p.c1, rel, i == 0);
     __syncwarp();  // the per-thread fast / exact choice reconverges before wgmma.wait (.aligned)
     wgmma_wait<0>();
     fence_regs<NR>(s2);
     if (tid == 0) mbar_arrive(empty + 8 * stage);
 #if !WS
-    if (c == 0 && tid == 0 && t + STAGES < n_tiles) {
+    if (c == 0 && tid == 0 && i + STAGES < n) {
       mbar_wait(empty + 8 * stage, phase);
-      load_k(p, base, full, t + STAGES, h1, h2, b);
+      load_k(p, base, full, t + STAGES, i + STAGES, h1, h2, b);
     }
     __syncwarp();  // warp 0 reconverges before its next wgmma (.sync.aligned)
 #endif
     if (masked)
-      update2<true>(s1, s2, r, p.c2, rel, t == 0);
+      update2<true>(s1, s2, r, p.c2, rel, i == 0);
     else
-      update2<false>(s1, s2, r, p.c2, rel, t == 0);
+      update2<false>(s1, s2, r, p.c2, rel, i == 0);
     __syncwarp();  // and before the next tile's bar.sync and wgmma
   }
-  finish(p, r, rows, lane, out0);
+  finish(p, r, rows, lane, out0, split);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1) kl_fwd(const __grid_constant__ Params p) {
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const unsigned base = (smem_addr(smem_raw) + 1023u) & ~1023u;
   const unsigned bar_q = base + OFF_BAR, full = bar_q + 8, empty = full + 8 * STAGES;
-  const int mt = p.m_tiles - 1 - (int)blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  const int mt = p.m_tiles - 1 - (int)blockIdx.x, h = blockIdx.y;
+  const int b = blockIdx.z / p.splits, split = blockIdx.z % p.splits;
   const int m0 = mt * BM;
   const int hi = p.causal ? min(p.nk, m0 + BM + p.nk - p.nq) : p.nk;  // keys this CTA sees
   const int n_tiles = hi > 0 ? (hi + BN - 1) / BN : 0;
+  // Split-K: split s runs key tiles [t0, t0 + n) of the row tile's n_tiles.
+  const int per = (n_tiles + p.splits - 1) / p.splits;
+  const int t0 = min(n_tiles, split * per), n = min(n_tiles, t0 + per) - t0;
   const int h1 = h / p.g1, h2 = h / p.g2;
   const long long out0 = ((long long)b * p.h + h) * p.nq;
   const int tid = threadIdx.x;
@@ -469,9 +508,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kl_fwd(const __grid_con
     regs_dec<REG_PROD>();
     if (tid == 0) {
       load_q(p, base, bar_q, m0, h, b);
-      for (int t = 0; t < n_tiles; ++t) {
-        mbar_wait(empty + 8 * (t % STAGES), ((t / STAGES) & 1) ^ 1);
-        load_k(p, base, full, t, h1, h2, b);
+      for (int i = 0; i < n; ++i) {
+        mbar_wait(empty + 8 * (i % STAGES), ((i / STAGES) & 1) ^ 1);
+        load_k(p, base, full, t0 + i, i, h1, h2, b);
       }
     }
     return;
@@ -479,12 +518,34 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kl_fwd(const __grid_con
   regs_inc<REG_CONS>();
   // Read through a shuffle, the warpgroup index is warp-uniform to the compiler, so the
   // descriptors built from it stay in uniform registers.
-  consume(p, __shfl_sync(0xffffffffu, tid / 128, 0) - 1, tid % 128, base, m0, n_tiles, h1, h2, b, out0);
+  consume(p, __shfl_sync(0xffffffffu, tid / 128, 0) - 1, tid % 128, base, m0, t0, n, h1, h2, b, out0, split);
 #else
   if (tid == 0) {
     load_q(p, base, bar_q, m0, h, b);
-    for (int t = 0; t < n_tiles && t < STAGES; ++t) load_k(p, base, full, t, h1, h2, b);
+    for (int i = 0; i < n && i < STAGES; ++i) load_k(p, base, full, t0 + i, i, h1, h2, b);
   }
-  consume(p, tid / 128, tid % 128, base, m0, n_tiles, h1, h2, b, out0);
+  consume(p, tid / 128, tid % 128, base, m0, t0, n, h1, h2, b, out0, split);
 #endif
+}
+
+
+// kl_combine: the split-K epilogue. Grid cdiv(rows, 128), 128 threads, one row each: merges the
+// row's `splits` partial states (any references: w = 2^(M_s - M)) and writes kl, lse1, lse2 as
+// kl_fwd does without splits. Reads part; writes kl, lse1, lse2.
+extern "C" __global__ void __launch_bounds__(128) kl_combine(const __grid_constant__ Params p) {
+  const long long o = (long long)blockIdx.x * 128 + threadIdx.x;
+  if (o >= p.rows) return;
+  float M1 = -KL_INF, M2 = -KL_INF;
+  for (int s = 0; s < p.splits; ++s) {
+    const float* q = p.part + ((long long)s * p.rows + o) * PART;
+    M1 = fmaxf(M1, q[0]), M2 = fmaxf(M2, q[2]);
+  }
+  const float M1u = M1 == -KL_INF ? 0.f : M1, M2u = M2 == -KL_INF ? 0.f : M2;
+  float L1 = 0.f, L2 = 0.f, AA = 0.f, AB = 0.f;
+  for (int s = 0; s < p.splits; ++s) {
+    const float* q = p.part + ((long long)s * p.rows + o) * PART;
+    const float w1 = ex2(q[0] - M1u), w2 = ex2(q[2] - M2u);
+    L1 = fmaf(q[1], w1, L1), AA = fmaf(q[4], w1, AA), AB = fmaf(q[5], w1, AB), L2 = fmaf(q[3], w2, L2);
+  }
+  write_row(p, o, M1, L1, M2, L2, AA, AB);
 }
