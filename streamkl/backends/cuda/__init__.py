@@ -10,8 +10,8 @@ import functools
 import torch
 
 BACKWARD = "triton"  # no CUDA backward yet: the op runs triton's on this forward's statistics
-# Out of auto although faster at the benchmark shape: without a split-K path it is unmeasured
-# (and expected slower than triton) at decode-like shapes (docs/cuda.md).
+# Out of auto although faster at the benchmark shapes: at 1-16 query rows against long keys its
+# split-K still trails triton's, and its host cost per call is higher (docs/cuda.md).
 AUTO = False
 
 _DTYPES = (torch.bfloat16, torch.float16)
