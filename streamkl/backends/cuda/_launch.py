@@ -105,6 +105,12 @@ def kernel(consts: dict, device_index: int) -> Kernel:
     return found
 
 
+@functools.cache
+def _shipped_kernel(d1p: int, d2p: int, fp16: bool, device_index: int) -> Kernel:
+    """kernel() of the shipped instantiation, looked up without building its constants."""
+    return kernel(shipped(d1p, d2p, fp16), device_index)
+
+
 def _check(result, what):
     err = result[0]
     if int(err) != 0:
@@ -201,6 +207,7 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+@functools.lru_cache(maxsize=4096)
 def splits_for(ctas: int, key_tiles: int, batch: int, sms: int) -> int:
     """How many ways to split each row tile's key tiles (split-K): the count that minimizes the
     waves of one-CTA-per-SM work times a CTA's share (its key tiles plus a fixed cost), so a
@@ -231,10 +238,12 @@ def forward(q1, k1, q2, k2, *, causal, scale1, scale2, consts: dict | None = Non
         return kl, lse1, lse2
     if NK == 0:  # every row sees nothing
         return kl.zero_(), lse1.fill_(float("-inf")), lse2.fill_(float("-inf"))
-    if consts is None:
-        consts = shipped(padded_dim(D1), padded_dim(D2), q1.dtype == torch.float16)
     index = dev.index if dev.index is not None else torch.cuda.current_device()
-    k = kernel(consts, index)
+    if consts is None:
+        k = _shipped_kernel(padded_dim(D1), padded_dim(D2), q1.dtype == torch.float16, index)
+        consts = k.consts
+    else:
+        k = kernel(consts, index)
     m_tiles = -(-NQ // k.bm)
     bn = consts["BN"]
     rows = B * H * NQ
