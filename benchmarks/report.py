@@ -1,15 +1,7 @@
 """Markdown, plots and the README's headline, from results.json (the data first, rendering second).
 
-    python benchmarks/report.py RUN.json                          # RUN's folder: results.md, PNGs
-    python benchmarks/report.py A.json B.json --out DIR           # merged into DIR/results.json
-    python benchmarks/report.py RUN.json --readme README.md [--sweeps n]
-
-Merging: runs on one device become one report; a later run's record of a measurement replaces an
-earlier one, except a later n/a. --readme rewrites the block between
-`<!-- bench:headline:start PATH [sweeps=...] -->` and `<!-- bench:headline:end -->` with the
-headline table of RUN.json, PATH naming RUN.json relative to the README; tests/test_bench.py
-regenerates every such block from the JSON it names.
-"""
+docs/benchmarks/README.md (Outputs, The README's figures) says how runs merge and what the README's
+generated block is; `python benchmarks/report.py --help` lists the options."""
 
 from __future__ import annotations
 
@@ -41,9 +33,16 @@ README_BLOCK = re.compile(
     r"(?P<body>.*?)<!-- bench:headline:end -->",
     re.S,
 )
+PROVIDERS_NOTE = (
+    "TFLOP/s count the useful GEMM work of the case (`benchmarks/providers.py`, `attn_kl_flops`), "
+    "whatever a provider computes; % of GEMM is against the run's bf16 GEMM at its start. Errors are "
+    "against float64 on the last query rows (KL: max over rows of |kl - ref| / max(1, |ref|); dq2 on "
+    "those rows and dk2: relative norm error). Peak extra memory (CUDA only) counts what one call "
+    "allocates beyond what was allocated before it, its outputs included; the first call (compilation, "
+    "autotuning) is never timed."
+)
 
 
-# --------------------------------------------------------------------------------- formatting
 def fmt_n(n: int) -> str:
     for unit, suffix in ((2**20, "M"), (2**10, "K")):
         if n >= unit and n % unit == 0:
@@ -88,12 +87,12 @@ def table(header: list[str], rows: list[list]) -> str:
     return "\n".join(lines) + "\n"
 
 
-# ------------------------------------------------------------------------------------- merging
 def load(path) -> dict:
     return json.loads(Path(path).read_text())
 
 
 def merge(runs: list[dict]) -> dict:
+    """One report of runs on one device: a later record of a measurement wins, except a later n/a."""
     devices = {r["environment"]["device"] for data in runs for r in data["runs"]}
     if len(devices) > 1:
         raise ValueError(f"refusing to merge runs from different devices: {sorted(devices)}")
@@ -110,7 +109,6 @@ def merge(runs: list[dict]) -> dict:
     return merged
 
 
-# ------------------------------------------------------------------------------------ markdown
 def headline(data: dict, sweeps: list[str] | None = None) -> str:
     """Per case and mode: streamkl's fastest backend against the fastest non-fp32 baseline of the
     same run (named), the float32 baselines in a column of their own."""
@@ -128,17 +126,11 @@ def headline(data: dict, sweeps: list[str] | None = None) -> str:
         tried = sorted({time_cell(r) for r in recs if r["kind"] == "baseline" and r["status"] != "n/a"})
         named = base["provider"] if base else f"none ran ({', '.join(tried)})" if tried else "—"
         exact = ", ".join(f"{r['provider']} {time_cell(r)}" for r in recs if r["kind"] == "exact")
-        rows.append(
-            [
-                sweep,
-                case_name(ours["case"]),
-                mode,
-                ours["provider"].removeprefix("streamkl-"),
-                fmt_ms(ours["ms"]),
-            ]
-            + [error_cell(ours), named, fmt_ms(base["ms"]) if base else "—", error_cell(base)]
-            + [f"{base['ms'] / ours['ms']:.2f}x" if base else "—", exact or "—"]
+        mine = [ours["provider"].removeprefix("streamkl-"), fmt_ms(ours["ms"]), error_cell(ours)]
+        theirs = (
+            [fmt_ms(base["ms"]), error_cell(base), f"{base['ms'] / ours['ms']:.2f}x"] if base else ["—"] * 3
         )
+        rows.append([sweep, case_name(ours["case"]), mode, *mine, named, *theirs, exact or "—"])
     header = ["sweep", "case", "mode", "streamkl", "ms", "error", "fastest baseline", "ms", "error"]
     return table([*header, "speed-up", "fp32 baselines, ms (exact, not competitors)"], rows)
 
@@ -152,21 +144,15 @@ def markdown(data: dict) -> str:
         commit = (env.get("commit") or "unknown")[:12] + (" (dirty)" if env.get("dirty") else "")
         yard = " / ".join(f"{g['tflops']:.0f}" for g in (gemm.get("start"), gemm.get("end")) if g)
         versions = f"torch {env['torch']}, triton {env.get('triton')}, CUDA {env.get('cuda')}"
-        runs.append(
-            [i, env["date"], f"`{commit}`", f"`{' '.join(env['argv'])}`", versions, yard or "— (CUDA only)"]
-        )
+        command = f"`{' '.join(env['argv'])}`"
+        runs.append([i, env["date"], f"`{commit}`", command, versions, yard or "— (CUDA only)"])
     device = data["runs"][0]["environment"]["device"]
     kinds = {r["provider"]: r["kind"] for r in data["records"]}
+    runs_header = ["run", "date", "commit", "command", "software", "bf16 GEMM TFLOP/s, start / end"]
     parts = [
         f"# streamkl benchmarks: {device}\n",
-        f"Device: {device}.\n\n"
-        + table(["run", "date", "commit", "command", "software", "bf16 GEMM TFLOP/s, start / end"], runs),
-        "## Providers\n\nTFLOP/s count the useful GEMM work of the case (`benchmarks/providers.py`, "
-        "`attn_kl_flops`), whatever a provider computes; % of GEMM is against the run's bf16 GEMM "
-        "at its start. Errors are against float64 on the last query rows (KL: max over rows of "
-        "|kl - ref| / max(1, |ref|); dq2 on those rows and dk2: relative norm error). Peak extra "
-        "memory (CUDA only) counts what one call allocates beyond what was allocated before it, "
-        "its outputs included; the first call (compilation, autotuning) is never timed.\n\n"
+        f"Device: {device}.\n\n" + table(runs_header, runs),
+        f"## Providers\n\n{PROVIDERS_NOTE}\n\n"
         + table(["provider", "kind", "what"], [[n, kinds.get(n, ""), w] for n, w in providers.items()]),
         "## Headline\n\nstreamkl's fastest backend against the fastest non-fp32 baseline measured "
         "in the same run for the same case; errors KL / dq2 / dk2.\n\n" + headline(data),
@@ -174,17 +160,14 @@ def markdown(data: dict) -> str:
     measured = [r for r in data["records"] if r["status"] != "n/a"]
     header = ["case", "provider", "ms", "TFLOP/s", "% of GEMM", "peak extra MiB", "error", "first call s"]
     for sweep, what in sweeps.items():
-        first = next((r["case"] for r in measured if r["sweep"] == sweep), None)
-        if first is not None:
+        if first := next((r["case"] for r in measured if r["sweep"] == sweep), None):
             parts.append(f"## Sweep `{sweep}`: {what} (B={first['b']}, H={first['h']}, D={first['d1']})\n")
         for mode, title in MODE_TITLE.items():
-            rows = [_sweep_row(data, r) for r in measured if (r["sweep"], r["mode"]) == (sweep, mode)]
-            if rows:
+            if rows := [_sweep_row(data, r) for r in measured if (r["sweep"], r["mode"]) == (sweep, mode)]:
                 parts.append(f"### {title}\n\n" + table(header, rows))
-    not_run = collections.Counter(
+    if not_run := collections.Counter(
         (r["provider"], r["reason"]) for r in data["records"] if r["status"] == "n/a"
-    )
-    if not_run:
+    ):
         rows = [[p, reason, n] for (p, reason), n in not_run.items()]
         parts.append("## Not run\n\n" + table(["provider", "why", "measurements"], rows))
     if failed := [r for r in data["records"] if r["status"] == "error"]:
@@ -211,7 +194,6 @@ def _sweep_row(data: dict, r: dict) -> list[str]:
     ]
 
 
-# --------------------------------------------------------------------------------------- plots
 def plots(data: dict, out: Path) -> list[Path]:
     """TFLOP/s and time against N (the n sweep, a panel per mode and mask), error against time."""
     import matplotlib
@@ -234,9 +216,8 @@ def plots(data: dict, out: Path) -> list[Path]:
     gemms = [g["tflops"] for run in data["runs"] if (g := (run.get("gemm") or {}).get("start"))]
     written = []
     for name, quantity in (("tflops_vs_n.png", "tflops"), ("time_vs_n.png", "ms")) if n_recs else ():
-        fig, axes = plt.subplots(
-            len(modes), len(masks), figsize=(4.6 * len(masks), 3.8 * len(modes)), squeeze=False
-        )
+        size = (4.6 * len(masks), 3.8 * len(modes))
+        fig, axes = plt.subplots(len(modes), len(masks), figsize=size, squeeze=False)
         for (i, mode), (j, (causal, dtype)) in itertools.product(enumerate(modes), enumerate(masks)):
             key = (mode, causal, dtype)
             recs = [r for r in n_recs if (r["mode"], r["case"]["causal"], r["case"]["dtype"]) == key]
@@ -285,7 +266,6 @@ def render(data: dict, out, with_plots: bool = True) -> list[Path]:
     return [out / "results.md", *(plots(data, out) if with_plots else [])]
 
 
-# -------------------------------------------------------------------------------------- README
 def readme_block(path: str, sweeps: str | None, data: dict) -> str:
     start = f"<!-- bench:headline:start {path}" + (f" sweeps={sweeps}" if sweeps else "") + " -->"
     return f"{start}\n{headline(data, sweeps.split(',') if sweeps else None)}<!-- bench:headline:end -->"
@@ -298,13 +278,10 @@ def update_readme(readme: Path, json_path: Path, sweeps: str | None = None) -> N
     blocks = list(README_BLOCK.finditer(text))
     named = [b for b in blocks if b["path"] == path] or (blocks if len(blocks) == 1 else [])
     if len(named) != 1:
-        raise SystemExit(
-            f"{readme}: expected one '<!-- bench:headline:start ... -->' ... '<!-- bench:headline:end -->' "
-            f"block (naming {path}), found {len(blocks)}"
-        )
-    block = named[0]
-    new = readme_block(path, sweeps or block["sweeps"], load(json_path))
-    readme.write_text(text[: block.start()] + new + text[block.end() :])
+        markers = "'<!-- bench:headline:start ... -->' ... '<!-- bench:headline:end -->'"
+        raise SystemExit(f"{readme}: expected one {markers} block (naming {path}), found {len(blocks)}")
+    new = readme_block(path, sweeps or named[0]["sweeps"], load(json_path))
+    readme.write_text(text[: named[0].start()] + new + text[named[0].end() :])
 
 
 def stale_readme_blocks(readme: Path) -> list[str]:
