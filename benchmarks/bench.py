@@ -203,28 +203,27 @@ class Reference:
         self.case, self.inputs, self.rows = case, inputs, max(1, min(rows, case.nq))
         self.g_check = torch.zeros_like(g)
         self.g_check[..., -self.rows :] = g[..., -self.rows :]
-        self.answer = None  # (name, kl, dq2, dk2), or why the reference failed
 
-    def _compute(self):
+    @functools.cached_property
+    def answer(self) -> tuple | str:
+        """(name, kl, dq2, dk2) on the checked rows, or why the reference failed."""
         q1, k1, q2, k2 = self.inputs
         r = self.rows
         # float64 copies of the keys up to 8 GiB; beyond, the inputs' dtype (float32 accumulation)
         dtype = torch.float64 if (k1.numel() + k2.numel()) * 8 <= 2**33 else q1.dtype
-        x = [t.detach().to(dtype) for t in (q1[:, :, -r:], k1, q2[:, :, -r:], k2)]
-        x[2].requires_grad_()
-        x[3].requires_grad_()
-        kl = streamkl.attn_kl(*x, causal=self.case.causal, backend="reference")
-        dq2, dk2 = torch.autograd.grad(kl, x[2:], self.g_check[..., -r:].to(kl.dtype))
+        try:
+            x = [t.detach().to(dtype) for t in (q1[:, :, -r:], k1, q2[:, :, -r:], k2)]
+            x[2].requires_grad_()
+            x[3].requires_grad_()
+            kl = streamkl.attn_kl(*x, causal=self.case.causal, backend="reference")
+            dq2, dk2 = torch.autograd.grad(kl, x[2:], self.g_check[..., -r:].to(kl.dtype))
+        except Exception as exc:  # noqa: BLE001 - the measurements go on without their check
+            return f"reference: {type(exc).__name__}: {str(exc)[:300]}"
         name = f"streamkl-reference in {str(dtype).replace('torch.', '')}, last {r} rows"
         return name, kl.detach(), dq2, dk2
 
     def errors(self, out, mode: str) -> dict:
         """KL: max over the rows of |kl - ref| / max(1, |ref|); gradients: relative norm error."""
-        if self.answer is None:
-            try:
-                self.answer = self._compute()
-            except Exception as exc:  # noqa: BLE001 - the measurements go on without their check
-                self.answer = f"reference: {type(exc).__name__}: {str(exc)[:300]}"
         if isinstance(self.answer, str):
             return {"failed": self.answer}
         name, kl, dq2, dk2 = self.answer
@@ -278,9 +277,8 @@ class Runner:
                 self._record(sweep, case, prov, mode, {"status": "error", "reason": f"inputs: {exc}"[:500]})
         else:
             for mode, prov in measurements:
-                self._record(
-                    sweep, case, prov, mode, self.measure(sweep, case, prov, mode, inputs, g, reference)
-                )
+                fields = self.measure(sweep, case, prov, mode, inputs, g, reference)
+                self._record(sweep, case, prov, mode, fields)
             del inputs, g, reference
         free_memory(self.device)
 
@@ -341,13 +339,8 @@ class Runner:
             ms, timer = one_call_s * 1e3, "one synchronized call (over --long-call-s)"
         else:
             ms, timer = time_ms(lambda: fn(*args), self.device, self.opt)
-        return {
-            "status": "ok",
-            "ms": ms,
-            "tflops": attn_kl_flops(case, mode) / ms / 1e9,
-            "timer": timer,
-            **fields,
-        }
+        tflops = attn_kl_flops(case, mode) / ms / 1e9
+        return {"status": "ok", "ms": ms, "tflops": tflops, "timer": timer, **fields}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -400,14 +393,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.providers:
         wanted = args.providers.split(",")
         if unknown := set(wanted) - {p.name for p in providers}:
-            parser().error(
-                f"unknown providers {sorted(unknown)}; known: {', '.join(p.name for p in providers)}"
-            )
+            known = ", ".join(p.name for p in providers)
+            parser().error(f"unknown providers {sorted(unknown)}; known: {known}")
         providers = [p for p in providers if p.name in wanted]
-    fields = {f.name for f in dataclasses.fields(Options)}
-    options = Options(
-        **{k: v for k, v in vars(args).items() if k in fields}, min_run_time=0.01 if args.smoke else 0.2
-    )
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(Options) if hasattr(args, f.name)}
+    options = Options(**given, min_run_time=0.01 if args.smoke else 0.2)
     env = environment(device, ["benchmarks/bench.py", *argv], args.commit)
     slug = re.sub(r"[^a-z0-9]+", "-", env["device"].lower().replace("nvidia", "")).strip("-")
     out = Path(args.out or f"docs/benchmarks/{env['date'][:10]}_{slug if cuda else 'cpu'}")

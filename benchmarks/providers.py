@@ -82,20 +82,15 @@ class Provider:
     why_not: Callable[[Case, tuple], str | None] = lambda case, inputs: None
 
 
-def by_autograd(fwd: Callable[[Case], Callable]) -> Callable[[Case], Callable]:
+def autograd_step(kl_of: Callable, q1, k1, q2, k2, g):
     """The training step of a forward through autograd: the teacher detached, the gradients of q2, k2."""
+    q2, k2 = q2.detach().requires_grad_(), k2.detach().requires_grad_()
+    kl = kl_of(q1, k1, q2, k2)
+    return kl.detach(), *torch.autograd.grad(kl, (q2, k2), g)
 
-    def make(case):
-        kl_of = fwd(case)
 
-        def train(q1, k1, q2, k2, g):
-            q2, k2 = q2.detach().requires_grad_(), k2.detach().requires_grad_()
-            kl = kl_of(q1, k1, q2, k2)
-            return kl.detach(), *torch.autograd.grad(kl, (q2, k2), g)
-
-        return train
-
-    return make
+def by_autograd(fwd: Callable[[Case], Callable]) -> Callable[[Case], Callable]:
+    return lambda case: functools.partial(autograd_step, fwd(case))
 
 
 @contextlib.contextmanager
@@ -149,32 +144,27 @@ def _dense(name, kind, what, formula, compile_backend, exact=False, why_not=Prov
 
 
 def _streamkl(backend: str) -> Provider:
-    fwd = lambda case: functools.partial(streamkl.attn_kl, causal=case.causal, backend=backend)
-
     def why_not(case, inputs):
         pairs = case.b * case.h * visible_pairs(case.nq, case.nk, case.causal)
         if backend == "reference" and inputs[0].is_cuda and pairs > REFERENCE_MAX_PAIRS_CUDA:
             return f"the reference backend (the slow oracle) runs up to 2^31 pairs on a GPU, not {pairs}"
         return streamkl.available_backends(*inputs)[backend]
 
+    fwd = lambda case: functools.partial(streamkl.attn_kl, causal=case.causal, backend=backend)
     what = f"`streamkl.attn_kl(..., backend={backend!r})`; train: autograd of q2, k2"
     return Provider(f"streamkl-{backend}", "streamkl", what, fwd, by_autograd(fwd), why_not)
 
 
 def _sdpa_trick(backend: str) -> Provider:
-    def of_case(fn):
-        return lambda case: functools.partial(
-            fn, causal=case.causal, backend=backend, scale1=case.d1**-0.5, scale2=case.d2**-0.5
-        )
-
+    kw = lambda case: dict(causal=case.causal, scale1=case.d1**-0.5, scale2=case.d2**-0.5, backend=backend)
+    fwd = lambda case: functools.partial(sdpa_trick.kl, **kw(case))
+    train = lambda case: functools.partial(sdpa_trick.train, **kw(case))
+    why_not = lambda case, inputs: sdpa_trick.unsupported(*inputs, case.causal, backend)
     what = (
         f"KL from three {backend} attention forwards; train: the same three forwards, then the two "
         "value-gradients of O12 and O22 in one autograd call (sdpa_trick.train)"
     )
-    why_not = lambda case, inputs: sdpa_trick.unsupported(*inputs, case.causal, backend)
-    return Provider(
-        f"sdpa-trick-{backend}", "baseline", what, of_case(sdpa_trick.kl), of_case(sdpa_trick.train), why_not
-    )
+    return Provider(f"sdpa-trick-{backend}", "baseline", what, fwd, train, why_not)
 
 
 def _attention_cudnn() -> Provider:
@@ -191,8 +181,6 @@ def _attention_cudnn() -> Provider:
 
 
 def all_providers(compile_backend: str = "inductor") -> list[Provider]:
-    """Every provider, in the report's order."""
-
     def only_16bit(case, inputs):
         if case.dtype not in ("bfloat16", "float16"):
             return f"runs 16-bit inputs (on {case.dtype} inputs it is torch-fp32)"
@@ -201,7 +189,7 @@ def all_providers(compile_backend: str = "inductor") -> list[Provider]:
     autocast = "dense formula: matmuls in the inputs' 16-bit dtype, log-softmax in float32"
     exact = "`streamkl.testing.dense_attn_kl` in float32, TF32 off: the exact baseline"
     fp32 = functools.partial(dense_attn_kl, dtype=torch.float32)
-    return [
+    return [  # in the report's order
         *(_streamkl(name) for name in streamkl.BACKENDS),
         *_dense("bf16", "baseline", autocast, dense_autocast, compile_backend, why_not=only_16bit),
         _sdpa_trick("flash"),
