@@ -266,28 +266,26 @@ class Runner:
         return self.data
 
     def run_case(self, sweep: Sweep, case: Case, providers: list[Provider]) -> None:
-        measurements = list(itertools.product(sweep.modes, providers))
+        """Every measurement of the case, each recorded (and results.json rewritten) as it is made."""
+        failed = None
         try:
             inputs = case.inputs(self.device, self.opt.seed)
             gen = torch.Generator(device=self.device).manual_seed(self.opt.seed + 1)
             g = torch.randn(case.b, case.h, case.nq, generator=gen, device=self.device)
             reference = Reference(case, inputs, g, self.opt.check_rows)
         except Exception as exc:  # noqa: BLE001 - inputs that do not fit: every measurement says so
-            for mode, prov in measurements:
-                self._record(sweep, case, prov, mode, {"status": "error", "reason": f"inputs: {exc}"[:500]})
-        else:
-            for mode, prov in measurements:
-                fields = self.measure(sweep, case, prov, mode, inputs, g, reference)
-                self._record(sweep, case, prov, mode, fields)
-            del inputs, g, reference
+            failed = {"status": "error", "reason": f"inputs: {exc}"[:500]}
+        for mode, prov in itertools.product(sweep.modes, providers):
+            fields = failed or self.measure(sweep, case, prov, mode, inputs, g, reference)
+            rec = {"run": 0, "sweep": sweep.name, "case": dataclasses.asdict(case), "case_key": case.key}
+            rec.update(
+                provider=prov.name, kind=prov.kind, mode=mode, flops=attn_kl_flops(case, mode), **fields
+            )
+            self.data["records"].append(rec)
+            self.save()
+            self.log(report.one_line(rec))
+        inputs = g = reference = None  # freed before the next case
         free_memory(self.device)
-
-    def _record(self, sweep, case, prov, mode, fields) -> None:
-        rec = {"run": 0, "sweep": sweep.name, "case": dataclasses.asdict(case), "case_key": case.key}
-        rec.update(provider=prov.name, kind=prov.kind, mode=mode, flops=attn_kl_flops(case, mode), **fields)
-        self.data["records"].append(rec)
-        self.save()
-        self.log(report.one_line(rec))
 
     def measure(self, sweep, case, prov, mode, inputs, g, reference) -> dict:
         """The record's fields: why it did not run, or its timing, or its failure."""

@@ -33,14 +33,6 @@ README_BLOCK = re.compile(
     r"(?P<body>.*?)<!-- bench:headline:end -->",
     re.S,
 )
-PROVIDERS_NOTE = (
-    "TFLOP/s count the useful GEMM work of the case (`benchmarks/providers.py`, `attn_kl_flops`), "
-    "whatever a provider computes; % of GEMM is against the run's bf16 GEMM at its start. Errors are "
-    "against float64 on the last query rows (KL: max over rows of |kl - ref| / max(1, |ref|); dq2 on "
-    "those rows and dk2: relative norm error). Peak extra memory (CUDA only) counts what one call "
-    "allocates beyond what was allocated before it, its outputs included; the first call (compilation, "
-    "autotuning) is never timed."
-)
 
 
 def fmt_n(n: int) -> str:
@@ -60,9 +52,7 @@ def case_name(c: dict) -> str:
     return f"{size} {'causal' if c['causal'] else 'full'} {SHORT_DTYPE.get(c['dtype'], c['dtype'])}{label}"
 
 
-def time_cell(rec: dict | None) -> str:
-    if rec is None:
-        return "—"
+def time_cell(rec: dict) -> str:
     return fmt_ms(rec["ms"]) if rec["status"] == "ok" else {"oom": "OOM"}.get(rec["status"], rec["status"])
 
 
@@ -127,16 +117,15 @@ def headline(data: dict, sweeps: list[str] | None = None) -> str:
         named = base["provider"] if base else f"none ran ({', '.join(tried)})" if tried else "—"
         exact = ", ".join(f"{r['provider']} {time_cell(r)}" for r in recs if r["kind"] == "exact")
         mine = [ours["provider"].removeprefix("streamkl-"), fmt_ms(ours["ms"]), error_cell(ours)]
-        theirs = (
-            [fmt_ms(base["ms"]), error_cell(base), f"{base['ms'] / ours['ms']:.2f}x"] if base else ["—"] * 3
-        )
+        speed_up = f"{base['ms'] / ours['ms']:.2f}x" if base else "—"
+        theirs = [fmt_ms(base["ms"]), error_cell(base), speed_up] if base else ["—"] * 3
         rows.append([sweep, case_name(ours["case"]), mode, *mine, named, *theirs, exact or "—"])
     header = ["sweep", "case", "mode", "streamkl", "ms", "error", "fastest baseline", "ms", "error"]
     return table([*header, "speed-up", "fp32 baselines, ms (exact, not competitors)"], rows)
 
 
 def markdown(data: dict) -> str:
-    runs, providers, sweeps = [], {}, {}
+    records, runs, providers, sweeps = data["records"], [], {}, {}
     for i, run in enumerate(data["runs"]):
         providers.update(run["config"]["providers"])
         sweeps.update(run["config"]["sweeps"])
@@ -147,17 +136,22 @@ def markdown(data: dict) -> str:
         command = f"`{' '.join(env['argv'])}`"
         runs.append([i, env["date"], f"`{commit}`", command, versions, yard or "— (CUDA only)"])
     device = data["runs"][0]["environment"]["device"]
-    kinds = {r["provider"]: r["kind"] for r in data["records"]}
+    kinds = {r["provider"]: r["kind"] for r in records}
     runs_header = ["run", "date", "commit", "command", "software", "bf16 GEMM TFLOP/s, start / end"]
     parts = [
         f"# streamkl benchmarks: {device}\n",
         f"Device: {device}.\n\n" + table(runs_header, runs),
-        f"## Providers\n\n{PROVIDERS_NOTE}\n\n"
+        "## Providers\n\nTFLOP/s count the useful GEMM work of the case (`benchmarks/providers.py`, "
+        "`attn_kl_flops`), whatever a provider computes; % of GEMM is against the run's bf16 GEMM at its "
+        "start. Errors are against float64 on the last query rows (KL: max over rows of |kl - ref| / max(1, "
+        "|ref|); dq2 on those rows and dk2: relative norm error). Peak extra memory (CUDA only) counts what "
+        "one call allocates beyond what was allocated before it, its outputs included; the first call "
+        "(compilation, autotuning) is never timed.\n\n"
         + table(["provider", "kind", "what"], [[n, kinds.get(n, ""), w] for n, w in providers.items()]),
         "## Headline\n\nstreamkl's fastest backend against the fastest non-fp32 baseline measured "
         "in the same run for the same case; errors KL / dq2 / dk2.\n\n" + headline(data),
     ]
-    measured = [r for r in data["records"] if r["status"] != "n/a"]
+    measured = [r for r in records if r["status"] != "n/a"]
     header = ["case", "provider", "ms", "TFLOP/s", "% of GEMM", "peak extra MiB", "error", "first call s"]
     for sweep, what in sweeps.items():
         if first := next((r["case"] for r in measured if r["sweep"] == sweep), None):
@@ -165,12 +159,10 @@ def markdown(data: dict) -> str:
         for mode, title in MODE_TITLE.items():
             if rows := [_sweep_row(data, r) for r in measured if (r["sweep"], r["mode"]) == (sweep, mode)]:
                 parts.append(f"### {title}\n\n" + table(header, rows))
-    if not_run := collections.Counter(
-        (r["provider"], r["reason"]) for r in data["records"] if r["status"] == "n/a"
-    ):
+    if not_run := collections.Counter((r["provider"], r["reason"]) for r in records if r["status"] == "n/a"):
         rows = [[p, reason, n] for (p, reason), n in not_run.items()]
         parts.append("## Not run\n\n" + table(["provider", "why", "measurements"], rows))
-    if failed := [r for r in data["records"] if r["status"] == "error"]:
+    if failed := [r for r in records if r["status"] == "error"]:
         rows = [
             [r["sweep"], case_name(r["case"]), r["provider"], r["mode"], r["reason"][:200]] for r in failed
         ]
@@ -179,19 +171,13 @@ def markdown(data: dict) -> str:
 
 
 def _sweep_row(data: dict, r: dict) -> list[str]:
-    ok = r["status"] == "ok"
+    head = [case_name(r["case"]), r["provider"], time_cell(r)]
+    if r["status"] != "ok":
+        return [*head, "—", "—", "—", error_cell(r), "—"]
     gemm = (((data["runs"][r.get("run", 0)].get("gemm") or {}).get("start")) or {}).get("tflops")
-    mem = r.get("mem_bytes") if ok else None
-    return [
-        case_name(r["case"]),
-        r["provider"],
-        time_cell(r),
-        f"{r['tflops']:.3g}" if ok else "—",
-        f"{100 * r['tflops'] / gemm:.0f}%" if ok and gemm else "—",  # against the run's GEMM at its start
-        "—" if mem is None else f"{mem / 2**20:,.1f}",
-        error_cell(r),
-        f"{r['first_call_s']:.2f}" if ok else "—",
-    ]
+    of_gemm = f"{100 * r['tflops'] / gemm:.0f}%" if gemm else "—"  # against the run's GEMM at its start
+    mem = "—" if r.get("mem_bytes") is None else f"{r['mem_bytes'] / 2**20:,.1f}"
+    return [*head, f"{r['tflops']:.3g}", of_gemm, mem, error_cell(r), f"{r['first_call_s']:.2f}"]
 
 
 def plots(data: dict, out: Path) -> list[Path]:
@@ -286,12 +272,8 @@ def update_readme(readme: Path, json_path: Path, sweeps: str | None = None) -> N
 
 def stale_readme_blocks(readme: Path) -> list[str]:
     """The JSON paths of README's headline blocks that differ from what their JSON generates."""
-    blocks = README_BLOCK.finditer(readme.read_text())
-    return [
-        b["path"]
-        for b in blocks
-        if b[0] != readme_block(b["path"], b["sweeps"], load(readme.parent / b["path"]))
-    ]
+    fresh = lambda b: readme_block(b["path"], b["sweeps"], load(readme.parent / b["path"]))
+    return [b["path"] for b in README_BLOCK.finditer(readme.read_text()) if b[0] != fresh(b)]
 
 
 def main(argv: list[str] | None = None) -> int:
