@@ -1,6 +1,5 @@
-"""The benchmark harness: streamkl against every other way to get the same KL, in one process. Writes
-OUT/results.json, then OUT/results.md and plots through benchmarks/report.py; docs/benchmarks/README.md
-says how to run it, what is measured and how."""
+"""The benchmark harness: streamkl against every other way to get the same KL, in one process, written to
+results.json, then results.md and plots (benchmarks/report.py); docs/benchmarks/README.md says how."""
 
 from __future__ import annotations
 
@@ -25,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch.utils.benchmark import Timer
 
 if __package__ in (None, ""):  # run as a script: the repository root holds the benchmarks package
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -45,13 +45,8 @@ SCHEMA = "streamkl-bench/2"
 STREAMKL_NAMES = tuple(f"streamkl-{name}" for name in streamkl.BACKENDS)
 
 
-@dataclass
-class Sweep:
-    name: str
-    what: str
-    cases: list[Case]
-    providers: tuple[str, ...] | None = None  # None: every provider
-    modes: tuple[str, ...] = ("fwd", "train")
+# the cases of one sweep, each timed by its providers (names; None: every provider) in its modes
+Sweep = collections.namedtuple("Sweep", "name what cases providers modes", defaults=(None, ("fwd", "train")))
 
 
 def _sizes(text: str | None) -> list[int] | None:
@@ -65,19 +60,15 @@ def _sizes(text: str | None) -> list[int] | None:
 def build_sweeps(names: list[str], args) -> list[Sweep]:
     """The sweeps named, at the quick sizes, every size (--full), or in miniature on CPU (--smoke)."""
     b, h, d, dtype = (1, 2, 16, "float32") if args.smoke else (args.batch, args.heads, args.dim, args.dtype)
-
-    def case(nq, nk, causal, **kw):
-        return Case(**{**dict(b=b, h=h, nq=nq, nk=nk, d1=d, d2=d, causal=causal, dtype=dtype), **kw})
-
+    case = lambda nq, nk, causal, **kw: dataclasses.replace(Case(b, h, nq, nk, d, d, causal, dtype), **kw)
     if args.smoke:  # bf16 in n, where every CPU provider runs
-        shapes = [
-            case(64, 64, True, d2=8, label="D2=D/2"),
-            case(64, 64, False, hk1=1, hk2=1, label="GQA H/2"),
-        ]
         cases = {
             "n": [case(n, n, c, dtype="bfloat16") for c in (False, True) for n in (64, 128)],
             "decode": [case(1, 128, True), case(8, 128, False)],
-            "shapes": shapes,
+            "shapes": [
+                case(64, 64, True, d2=8, label="D2=D/2"),
+                case(64, 64, False, hk1=1, hk2=1, label="GQA H/2"),
+            ],
             "long": [case(256, 256, True)],
         }
     else:
@@ -140,8 +131,6 @@ def time_ms(fn, device: torch.device, opt: Options) -> tuple[float, str]:
 
         ms = do_bench(fn, warmup=opt.warmup_ms, rep=opt.rep_ms, return_mode="median")
         return float(ms), f"triton.testing.do_bench(warmup={opt.warmup_ms:g}, rep={opt.rep_ms:g}), median"
-    from torch.utils.benchmark import Timer
-
     m = Timer("fn()", globals={"fn": fn}).blocked_autorange(min_run_time=opt.min_run_time)
     return m.median * 1e3, f"torch.utils.benchmark blocked_autorange, median of {len(m.times)} blocks"
 
@@ -196,8 +185,7 @@ def environment(device: torch.device, argv: list[str], commit: str | None = None
 
 
 class Reference:
-    """The float64 answer on a case's last `rows` query rows, computed once (docs/benchmarks/README.md,
-    Errors); `g_check` is the upstream gradient zeroed on every other row."""
+    """The float64 answer on the case's last `rows` query rows, once; g_check: g zero on the others."""
 
     def __init__(self, case: Case, inputs: tuple, g: torch.Tensor, rows: int):
         self.case, self.inputs, self.rows = case, inputs, max(1, min(rows, case.nq))
@@ -238,8 +226,7 @@ class Reference:
 
 
 class Runner:
-    """Runs sweeps x cases x modes x providers one measurement at a time; a failure or an OOM is
-    a record and the run goes on."""
+    """Sweeps x cases x modes x providers, one measurement at a time; a failure or an OOM is a record."""
 
     def __init__(self, device, providers: list[Provider], out: Path, options: Options, run: dict, log=print):
         self.device, self.providers, self.out, self.opt, self.log = device, providers, Path(out), options, log
@@ -311,8 +298,7 @@ class Runner:
         return fields
 
     def _time(self, case, prov, mode, inputs, g, reference) -> dict:
-        """A first call (the warm-up, checked), a second (peak memory on CUDA), then the timing, all
-        through the same calls (docs/benchmarks/README.md, One measurement)."""
+        """A first call (the warm-up, checked), a second (peak memory on CUDA), then the timing."""
         fn = prov.fwd(case) if mode == "fwd" else prov.train(case)
         checked = inputs if mode == "fwd" else (*inputs, reference.g_check)
         args = inputs if mode == "fwd" else (*inputs, g)
@@ -385,9 +371,8 @@ def main(argv: list[str] | None = None) -> int:
     sweeps = build_sweeps(names, args)
     providers = all_providers("inductor" if cuda else "aot_eager")
     if args.smoke:  # Triton's interpreter takes about a second a call: the smoke run leaves it to the tests
-        why = "left out of --smoke (Triton's interpreter: about 1 s a call)"
         triton = next(p for p in providers if p.name == "streamkl-triton")
-        triton.why_not = lambda case, inputs: why
+        triton.why_not = lambda case, inputs: "left out of --smoke (Triton's interpreter: about 1 s a call)"
     if args.providers:
         wanted = args.providers.split(",")
         if unknown := set(wanted) - {p.name for p in providers}:

@@ -1,7 +1,6 @@
 """Markdown, plots and the README's headline, from results.json (the data first, rendering second).
 
-docs/benchmarks/README.md (Outputs, The README's figures) says how runs merge and what the README's
-generated block is; `python benchmarks/report.py --help` lists the options."""
+Merging runs and the README's generated block: docs/benchmarks/README.md (Outputs, The README's figures)."""
 
 from __future__ import annotations
 
@@ -100,8 +99,7 @@ def merge(runs: list[dict]) -> dict:
 
 
 def headline(data: dict, sweeps: list[str] | None = None) -> str:
-    """Per case and mode: streamkl's fastest backend against the fastest non-fp32 baseline of the
-    same run (named), the float32 baselines in a column of their own."""
+    """Per case and mode: streamkl's fastest backend, the fastest non-fp32 baseline, the fp32 ones."""
     groups = collections.defaultdict(list)  # (sweep, case_key, mode) -> its records, as measured
     for r in data["records"]:
         groups[r["sweep"], r["case_key"], r["mode"]].append(r)
@@ -196,7 +194,8 @@ def plots(data: dict, out: Path) -> list[Path]:
         plt.close(fig)
         return out / name
 
-    n_recs = [r for r in data["records"] if r["sweep"] == "n"]
+    records = data["records"]
+    n_recs = [r for r in records if r["sweep"] == "n"]
     modes = sorted({r["mode"] for r in n_recs})
     masks = sorted({(r["case"]["causal"], r["case"]["dtype"]) for r in n_recs})
     gemms = [g["tflops"] for run in data["runs"] if (g := (run.get("gemm") or {}).get("start"))]
@@ -210,9 +209,7 @@ def plots(data: dict, out: Path) -> list[Path]:
             _panel(axes[i][j], recs, quantity, gemms)
             axes[i][j].set_title(f"{mode}, {'causal' if causal else 'full'}, {SHORT_DTYPE.get(dtype, dtype)}")
         written.append(save(fig, name))
-    fwd = [
-        r for r in data["records"] if (r["mode"], r["status"]) == ("fwd", "ok") and "kl" in r.get("error", {})
-    ]
+    fwd = [r for r in records if (r["mode"], r["status"]) == ("fwd", "ok") and "kl" in r.get("error", {})]
     fig, ax = plt.subplots(figsize=(6, 4.2))
     for prov in dict.fromkeys(r["provider"] for r in fwd):
         pts = [(r["ms"], max(r["error"]["kl"], 1e-17)) for r in fwd if r["provider"] == prov]
@@ -223,8 +220,7 @@ def plots(data: dict, out: Path) -> list[Path]:
 
 
 def _panel(ax, recs: list[dict], quantity: str, gemms: list[float]) -> None:
-    """A line per provider; for time, out-of-memory cases as crosses on the upper edge (log
-    axes); for TFLOP/s, the GEMM yardstick of each run."""
+    """A line per provider; for time, out-of-memory cases as crosses on the upper edge (log axes)."""
     for prov in dict.fromkeys(r["provider"] for r in recs):
         mine = [r for r in recs if r["provider"] == prov]
         pts = sorted((r["case"]["nq"], r[quantity]) for r in mine if r["status"] == "ok")
