@@ -108,8 +108,7 @@ def exact_fp32_matmuls():
 
 
 def dense_autocast(q1, k1, q2, k2, causal: bool):
-    """The dense formula as autocast code runs it: the two matmuls in the inputs' dtype, the
-    log-softmaxes and the KL in float32; both (B, H, Nq, Nk) distributions materialized."""
+    """The dense formula as autocast code runs it: matmuls in the inputs' dtype, the rest in float32."""
     mask = visible_mask(q1.shape[2], k1.shape[2], True, q1.device) if causal else None
 
     def log_probs(q, k):
@@ -125,8 +124,7 @@ def dense_autocast(q1, k1, q2, k2, causal: bool):
 
 
 def _dense(name, kind, what, formula, compile_backend, exact=False, why_not=Provider.why_not) -> list:
-    """The formula eager (`torch-<name>`) and compiled (`torch.compile-<name>`, dynamo reset per
-    measurement: its first call is the compilation); `exact`: TF32 off around every call."""
+    """The formula eager (`torch-<name>`) and compiled afresh per measurement (`torch.compile-<name>`)."""
 
     def fwd(case, compiled):
         fn = lambda q1, k1, q2, k2: formula(q1, k1, q2, k2, case.causal)

@@ -39,8 +39,7 @@ def attention(q, k, v, causal: bool, scale: float, backend: str):
 
 
 def _forwards(q1, k1, q2, k2, v12, v22, causal, scale1, scale2, backend):
-    """KL per row (B, H, Nq) float32 from the three attention forwards, with O12 = attn(q1, k1, v12)
-    and O22 = attn(q2, k2, v22); k1, k2 have q's head count."""
+    """(KL per row, O12 = attn(q1, k1, v12), O22 = attn(q2, k2, v22)); k1, k2 have q's head count."""
     o11, lse1 = attention(q1, k1, k1, causal, scale1, backend)
     o12, _ = attention(q1, k1, v12, causal, scale1, backend)
     o22, lse2 = attention(q2, k2, v22, causal, scale2, backend)
@@ -55,8 +54,7 @@ def kl(q1, k1, q2, k2, *, causal: bool, scale1: float, scale2: float, backend: s
 
 
 def train(q1, k1, q2, k2, g, *, causal: bool, scale1: float, scale2: float, backend: str):
-    """(kl, dq2, dk2) of one training step: three attention forwards (O12 and O22 with the value
-    requiring grad) and the two value-gradients from one autograd call."""
+    """(kl, dq2, dk2): the three forwards, then both value-gradients in one autograd call."""
     hk2 = k2.shape[1]
     k1r, k2r = _heads(q1, k1).detach(), _heads(q2, k2).detach()
     q1, q2 = q1.detach(), q2.detach()
