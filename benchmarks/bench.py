@@ -165,10 +165,7 @@ def environment(device: torch.device, argv: list[str], commit: str | None = None
     if commit is None:
         commit = (_git("rev-parse", "HEAD") or "").strip() or None
         dirty = bool(_git("status", "--porcelain", "--untracked-files=no")) if commit else None
-    try:
-        triton = importlib.metadata.version("triton")
-    except importlib.metadata.PackageNotFoundError:
-        triton = None
+    triton = next((dist.version for dist in importlib.metadata.distributions(name="triton")), None)
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "argv": argv,
