@@ -1,14 +1,5 @@
-"""The benchmark harness: streamkl against every other way to get the same KL, in one process.
-
-    python benchmarks/bench.py                         # the n sweep, quick sizes, on the GPU
-    python benchmarks/bench.py --sweep all --full      # every sweep at every size
-    python benchmarks/bench.py --smoke                 # CPU, tiny, seconds (what CI runs)
-
-Writes OUT/results.json (environment, GEMM yardstick, one record per sweep x case x provider x
-mode, rewritten after every measurement), then OUT/results.md and PNG plots through
-benchmarks/report.py, which also merges runs and writes the README's headline block.
-docs/benchmarks/README.md says what is measured and how.
-"""
+"""The benchmark harness: streamkl against every other way to get the same KL, in one process, written to
+results.json, then results.md and plots (benchmarks/report.py); docs/benchmarks/README.md says how."""
 
 from __future__ import annotations
 
@@ -33,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch.utils.benchmark import Timer
 
 if __package__ in (None, ""):  # run as a script: the repository root holds the benchmarks package
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -53,14 +45,8 @@ SCHEMA = "streamkl-bench/2"
 STREAMKL_NAMES = tuple(f"streamkl-{name}" for name in streamkl.BACKENDS)
 
 
-# ------------------------------------------------------------------------------------- sweeps
-@dataclass
-class Sweep:
-    name: str
-    what: str
-    cases: list[Case]
-    providers: tuple[str, ...] | None = None  # None: every provider
-    modes: tuple[str, ...] = ("fwd", "train")
+# the cases of one sweep, each timed by its providers (names; None: every provider) in its modes
+Sweep = collections.namedtuple("Sweep", "name what cases providers modes", defaults=(None, ("fwd", "train")))
 
 
 def _sizes(text: str | None) -> list[int] | None:
@@ -72,13 +58,12 @@ def _sizes(text: str | None) -> list[int] | None:
 
 
 def build_sweeps(names: list[str], args) -> list[Sweep]:
-    """The sweeps named, at the quick sizes, every size (--full), or in miniature (--smoke)."""
-    if args.smoke:  # every sweep for the CPU in seconds: bf16 (where every CPU provider runs) in n
-        case = lambda nq, nk, causal, dtype="float32", **kw: Case(
-            b=1, h=2, nq=nq, nk=nk, causal=causal, dtype=dtype, **{"d1": 16, "d2": 16, **kw}
-        )
+    """The sweeps named, at the quick sizes, every size (--full), or in miniature on CPU (--smoke)."""
+    b, h, d, dtype = (1, 2, 16, "float32") if args.smoke else (args.batch, args.heads, args.dim, args.dtype)
+    case = lambda nq, nk, causal, **kw: dataclasses.replace(Case(b, h, nq, nk, d, d, causal, dtype), **kw)
+    if args.smoke:  # bf16 in n, where every CPU provider runs
         cases = {
-            "n": [case(n, n, c, "bfloat16") for c in (False, True) for n in (64, 128)],
+            "n": [case(n, n, c, dtype="bfloat16") for c in (False, True) for n in (64, 128)],
             "decode": [case(1, 128, True), case(8, 128, False)],
             "shapes": [
                 case(64, 64, True, d2=8, label="D2=D/2"),
@@ -87,21 +72,16 @@ def build_sweeps(names: list[str], args) -> list[Sweep]:
             "long": [case(256, 256, True)],
         }
     else:
-        full, h, d = args.full, args.heads, args.dim
-        causals = {"0": [False], "1": [True], "both": [False, True]}[args.causal]
-        case = lambda nq, nk, causal, **kw: Case(
-            b=args.batch, h=h, nq=nq, nk=nk, causal=causal, dtype=args.dtype, **{"d1": d, "d2": d, **kw}
-        )
+        full, causals = args.full, {"0": [False], "1": [True], "both": [False, True]}[args.causal]
         ns = _sizes(args.sizes) or [s * K for s in [4, 8, 16, 32, *([64, 128, 256, 512] if full else [])]]
         nqs = _sizes(args.decode_nq) or ([1, 2, 4, 8, 16, 32, 64, 128, 256] if full else [1, 16, 64, 256])
         nks = _sizes(args.decode_nk) or [s * K for s in ([32, 64, 128] if full else [32, 128])]
-        n_shapes = (_sizes(args.sizes) or [8 * K])[0]
-        gqa = dict(hk1=max(1, h // 4), hk2=max(1, h // 4))
+        n_shapes, gqa = ns[0] if args.sizes else 8 * K, max(1, h // 4)
         shapes = {
             "D2=D/2": dict(d2=d // 2),
             "D1=D/2": dict(d1=d // 2),
-            "GQA H/4": gqa,
-            "D2=D/2, GQA H/4, H/8": dict(d2=d // 2, hk1=gqa["hk1"], hk2=max(1, h // 8)),
+            "GQA H/4": dict(hk1=gqa, hk2=gqa),
+            "D2=D/2, GQA H/4, H/8": dict(d2=d // 2, hk1=gqa, hk2=max(1, h // 8)),
             **({"MQA": dict(hk1=1, hk2=1)} if full else {}),
         }
         long_causals = causals if full or args.causal != "both" else [True]
@@ -121,7 +101,6 @@ def build_sweeps(names: list[str], args) -> list[Sweep]:
     return [Sweep(name, SWEEPS[name], cases[name], *(long if name == "long" else ())) for name in names]
 
 
-# ------------------------------------------------------------------------- timing and memory
 @dataclass
 class Options:
     warmup_ms: float = 25.0  # do_bench (CUDA)
@@ -152,15 +131,12 @@ def time_ms(fn, device: torch.device, opt: Options) -> tuple[float, str]:
 
         ms = do_bench(fn, warmup=opt.warmup_ms, rep=opt.rep_ms, return_mode="median")
         return float(ms), f"triton.testing.do_bench(warmup={opt.warmup_ms:g}, rep={opt.rep_ms:g}), median"
-    from torch.utils.benchmark import Timer
-
     m = Timer("fn()", globals={"fn": fn}).blocked_autorange(min_run_time=opt.min_run_time)
     return m.median * 1e3, f"torch.utils.benchmark blocked_autorange, median of {len(m.times)} blocks"
 
 
 def gemm_yardstick(device: torch.device, size: int) -> dict | None:
-    """A bf16 size^3 GEMM timed sustained (a second of warm-up settles the clock): the
-    denominator of "% of GEMM". CUDA only."""
+    """The bf16 GEMM behind "% of GEMM", timed sustained (a second of warm-up settles the clock)."""
     if device.type != "cuda":
         return None
     a, b = (torch.randn(size, size, device=device, dtype=torch.bfloat16) for _ in range(2))
@@ -168,7 +144,6 @@ def gemm_yardstick(device: torch.device, size: int) -> dict | None:
     return {"size": size, "dtype": "bfloat16", "ms": ms, "tflops": 2 * size**3 / ms / 1e9}
 
 
-# ------------------------------------------------------------------------------- environment
 def _git(*cmd: str) -> str | None:
     root = Path(__file__).resolve().parents[1]
     try:
@@ -190,11 +165,7 @@ def environment(device: torch.device, argv: list[str], commit: str | None = None
     if commit is None:
         commit = (_git("rev-parse", "HEAD") or "").strip() or None
         dirty = bool(_git("status", "--porcelain", "--untracked-files=no")) if commit else None
-    try:
-        triton = importlib.metadata.version("triton")
-    except importlib.metadata.PackageNotFoundError:
-        triton = None
-    cuda = device.type == "cuda"
+    triton = next((dist.version for dist in importlib.metadata.distributions(name="triton")), None)
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "argv": argv,
@@ -204,46 +175,40 @@ def environment(device: torch.device, argv: list[str], commit: str | None = None
         "torch": torch.__version__,
         "triton": triton,
         "cuda": torch.version.cuda,
-        "device": torch.cuda.get_device_name(device) if cuda else _cpu_name(),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name(),
         "device_type": device.type,
         "platform": platform.platform(),
     }
 
 
-# ------------------------------------------------------------------------------ measurements
 class Reference:
-    """The answer on the checked rows, computed once per case: the last `rows` query rows, which
-    under bottom-right causal alignment are exactly the problem with q sliced to them, by the
-    reference backend in float64. The training step's check takes g zero on every other row
-    (`g_check`), so dq2 on those rows and the whole dk2 are exact."""
+    """The float64 answer on the case's last `rows` query rows, once; g_check: g zero on the others."""
 
     def __init__(self, case: Case, inputs: tuple, g: torch.Tensor, rows: int):
         self.case, self.inputs, self.rows = case, inputs, max(1, min(rows, case.nq))
         self.g_check = torch.zeros_like(g)
         self.g_check[..., -self.rows :] = g[..., -self.rows :]
-        self.answer = None  # (name, kl, dq2, dk2), or why the reference failed
 
-    def _compute(self):
+    @functools.cached_property
+    def answer(self) -> tuple | str:
+        """(name, kl, dq2, dk2) on the checked rows, or why the reference failed."""
         q1, k1, q2, k2 = self.inputs
         r = self.rows
-        # float64 copies of the keys up to 8 GiB; beyond (512K tokens and more) the inputs' dtype,
-        # which the reference accumulates in float32
+        # float64 copies of the keys up to 8 GiB; beyond, the inputs' dtype (float32 accumulation)
         dtype = torch.float64 if (k1.numel() + k2.numel()) * 8 <= 2**33 else q1.dtype
-        x = [t.detach().to(dtype) for t in (q1[:, :, -r:], k1, q2[:, :, -r:], k2)]
-        x[2].requires_grad_()
-        x[3].requires_grad_()
-        kl = streamkl.attn_kl(*x, causal=self.case.causal, backend="reference")
-        dq2, dk2 = torch.autograd.grad(kl, x[2:], self.g_check[..., -r:].to(kl.dtype))
+        try:
+            x = [t.detach().to(dtype) for t in (q1[:, :, -r:], k1, q2[:, :, -r:], k2)]
+            x[2].requires_grad_()
+            x[3].requires_grad_()
+            kl = streamkl.attn_kl(*x, causal=self.case.causal, backend="reference")
+            dq2, dk2 = torch.autograd.grad(kl, x[2:], self.g_check[..., -r:].to(kl.dtype))
+        except Exception as exc:  # noqa: BLE001 - the measurements go on without their check
+            return f"reference: {type(exc).__name__}: {str(exc)[:300]}"
         name = f"streamkl-reference in {str(dtype).replace('torch.', '')}, last {r} rows"
         return name, kl.detach(), dq2, dk2
 
     def errors(self, out, mode: str) -> dict:
         """KL: max over the rows of |kl - ref| / max(1, |ref|); gradients: relative norm error."""
-        if self.answer is None:
-            try:
-                self.answer = self._compute()
-            except Exception as exc:  # noqa: BLE001 - the measurements go on without their check
-                self.answer = f"reference: {type(exc).__name__}: {str(exc)[:300]}"
         if isinstance(self.answer, str):
             return {"failed": self.answer}
         name, kl, dq2, dk2 = self.answer
@@ -258,8 +223,7 @@ class Reference:
 
 
 class Runner:
-    """Runs sweeps x cases x modes x providers one measurement at a time; a failure or an OOM is
-    a record and the run goes on."""
+    """Sweeps x cases x modes x providers, one measurement at a time; a failure or an OOM is a record."""
 
     def __init__(self, device, providers: list[Provider], out: Path, options: Options, run: dict, log=print):
         self.device, self.providers, self.out, self.opt, self.log = device, providers, Path(out), options, log
@@ -286,41 +250,29 @@ class Runner:
         return self.data
 
     def run_case(self, sweep: Sweep, case: Case, providers: list[Provider]) -> None:
-        measurements = list(itertools.product(sweep.modes, providers))
+        """Every measurement of the case, each recorded (and results.json rewritten) as it is made."""
+        failed = None
         try:
             inputs = case.inputs(self.device, self.opt.seed)
             gen = torch.Generator(device=self.device).manual_seed(self.opt.seed + 1)
             g = torch.randn(case.b, case.h, case.nq, generator=gen, device=self.device)
             reference = Reference(case, inputs, g, self.opt.check_rows)
         except Exception as exc:  # noqa: BLE001 - inputs that do not fit: every measurement says so
-            for mode, prov in measurements:
-                self._record(sweep, case, prov, mode, {"status": "error", "reason": f"inputs: {exc}"[:500]})
-        else:
-            for mode, prov in measurements:
-                fields = self.measure(sweep, case, prov, mode, inputs, g, reference)
-                self._record(sweep, case, prov, mode, fields)
-            del inputs, g, reference
+            failed = {"status": "error", "reason": f"inputs: {exc}"[:500]}
+        for mode, prov in itertools.product(sweep.modes, providers):
+            fields = failed or self.measure(sweep, case, prov, mode, inputs, g, reference)
+            rec = {"run": 0, "sweep": sweep.name, "case": dataclasses.asdict(case), "case_key": case.key}
+            rec.update(
+                provider=prov.name, kind=prov.kind, mode=mode, flops=attn_kl_flops(case, mode), **fields
+            )
+            self.data["records"].append(rec)
+            self.save()
+            self.log(report.one_line(rec))
+        inputs = g = reference = None  # freed before the next case
         free_memory(self.device)
 
-    def _record(self, sweep, case, prov, mode, fields) -> None:
-        rec = {
-            "run": 0,
-            "sweep": sweep.name,
-            "case": dataclasses.asdict(case),
-            "case_key": case.key,
-            "provider": prov.name,
-            "kind": prov.kind,
-            "mode": mode,
-            "flops": attn_kl_flops(case, mode),
-            **fields,
-        }
-        self.data["records"].append(rec)
-        self.save()
-        self.log(report.one_line(rec))
-
     def measure(self, sweep, case, prov, mode, inputs, g, reference) -> dict:
-        """The record's fields: why it did not run (n/a, or oom where a smaller case ran out), or
-        its timing, or its failure."""
+        """The record's fields: why it did not run, or its timing, or its failure."""
         key = (sweep.name, prov.name, mode)
         if self.opt.max_seconds is not None and time.perf_counter() - self.t0 > self.opt.max_seconds:
             return {"status": "n/a", "reason": f"not started: --max-seconds {self.opt.max_seconds:g} spent"}
@@ -329,36 +281,28 @@ class Runner:
         if reason := prov.why_not(case, inputs):
             return {"status": "n/a", "reason": reason}
         if case.logits >= self.oom_at.get(key, math.inf):
-            return {
-                "status": "oom",
-                "reason": f"not run: out of memory at {self.oom_at[key]} logits, here {case.logits}",
-            }
+            reason = f"not run: out of memory at {self.oom_at[key]} logits, here {case.logits}"
+            return {"status": "oom", "reason": reason}
         try:
             fields = self._time(case, prov, mode, inputs, g, reference)
         except torch.cuda.OutOfMemoryError as exc:
             self.oom_at[key] = min(self.oom_at.get(key, case.logits), case.logits)
             fields = {"status": "oom", "reason": str(exc).splitlines()[0][:300]}
         except Exception as exc:  # noqa: BLE001 - a failure is a result, the run goes on
-            fields = {
-                "status": "error",
-                "reason": f"{type(exc).__name__}: {str(exc)[:1000]}",
-                "traceback": traceback.format_exc(limit=-6)[-3000:],
-            }
+            fields = {"status": "error", "reason": f"{type(exc).__name__}: {str(exc)[:1000]}"}
+            fields["traceback"] = traceback.format_exc(limit=-6)[-3000:]
         free_memory(self.device)
         return fields
 
     def _time(self, case, prov, mode, inputs, g, reference) -> dict:
-        """First call (warm-up: JIT, autotuning, compilation; checked), a second call (peak memory
-        on CUDA: max_memory_allocated minus what was allocated before, outputs included), then
-        the timing, all through the same calls."""
+        """A first call (the warm-up, checked), a second (peak memory on CUDA), then the timing."""
         fn = prov.fwd(case) if mode == "fwd" else prov.train(case)
         checked = inputs if mode == "fwd" else (*inputs, reference.g_check)
         args = inputs if mode == "fwd" else (*inputs, g)
-        fields = {}
         t0 = time.perf_counter()
         out = fn(*checked)
         synchronize(self.device)
-        fields["first_call_s"] = round(time.perf_counter() - t0, 4)
+        fields = {"first_call_s": round(time.perf_counter() - t0, 4)}
         if prov.kind != "yardstick":
             fields["error"] = reference.errors(out, mode)
         del out
@@ -376,16 +320,10 @@ class Runner:
             ms, timer = one_call_s * 1e3, "one synchronized call (over --long-call-s)"
         else:
             ms, timer = time_ms(lambda: fn(*args), self.device, self.opt)
-        return {
-            "status": "ok",
-            "ms": ms,
-            "tflops": attn_kl_flops(case, mode) / ms / 1e9,
-            "timer": timer,
-            **fields,
-        }
+        tflops = attn_kl_flops(case, mode) / ms / 1e9
+        return {"status": "ok", "ms": ms, "tflops": tflops, "timer": timer, **fields}
 
 
-# -------------------------------------------------------------------------------------- CLI
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python benchmarks/bench.py",
@@ -407,18 +345,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], help="default: bf16 on GPU")
     p.add_argument("--causal", choices=["0", "1", "both"], default="both")
     p.add_argument("--providers", help="comma list of provider names (default: all)")
-    p.add_argument("--device", help="cuda (the default when there is one) or cpu")
     p.add_argument("--out", help="output folder (default: docs/benchmarks/<date>_<device>)")
     p.add_argument("--warmup-ms", type=float, default=25.0, help="do_bench warm-up")
     p.add_argument("--rep-ms", type=float, default=100.0, help="do_bench measuring time")
-    p.add_argument("--min-run-time", type=float, help="CPU: blocked_autorange seconds")
     p.add_argument("--long-call-s", type=float, default=5.0, help="calls this long are timed once")
     p.add_argument("--check-rows", type=int, default=64, help="query rows checked against float64")
     p.add_argument("--max-seconds", type=float, help="start no measurement after this")
-    p.add_argument("--gemm-size", type=int, default=8192)
-    p.add_argument("--compile-backend", help="default: inductor on GPU, aot_eager on CPU")
     p.add_argument("--commit", help="the commit to record where the copy has no .git")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-plots", action="store_true")
     return p
 
@@ -426,44 +359,34 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser().parse_args(argv)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() and not args.smoke else "cpu"))
-    cuda = device.type == "cuda"
-    providers = all_providers(args.compile_backend or ("inductor" if cuda else "aot_eager"))
+    cuda = torch.cuda.is_available() and not args.smoke
+    device = torch.device("cuda" if cuda else "cpu")
     names = list(SWEEPS) if args.sweep == "all" or args.smoke else args.sweep.split(",")
     if set(names) - set(SWEEPS):
         parser().error(f"unknown sweep in {args.sweep!r}; expected {', '.join(SWEEPS)} or all")
     args.dtype = args.dtype or ("bfloat16" if cuda else "float32")
     sweeps = build_sweeps(names, args)
+    providers = all_providers("inductor" if cuda else "aot_eager")
     if args.smoke:  # Triton's interpreter takes about a second a call: the smoke run leaves it to the tests
-        why = "left out of --smoke (Triton's interpreter: about 1 s a call)"
-        providers = [
-            dataclasses.replace(p, why_not=lambda case, inputs: why) if p.name == "streamkl-triton" else p
-            for p in providers
-        ]
+        triton = next(p for p in providers if p.name == "streamkl-triton")
+        triton.why_not = lambda case, inputs: "left out of --smoke (Triton's interpreter: about 1 s a call)"
     if args.providers:
         wanted = args.providers.split(",")
         if unknown := set(wanted) - {p.name for p in providers}:
-            parser().error(
-                f"unknown providers {sorted(unknown)}; known: {', '.join(p.name for p in providers)}"
-            )
+            known = ", ".join(p.name for p in providers)
+            parser().error(f"unknown providers {sorted(unknown)}; known: {known}")
         providers = [p for p in providers if p.name in wanted]
-    args.min_run_time = args.min_run_time or (0.01 if args.smoke else 0.2)
-    options = Options(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Options)})
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(Options) if hasattr(args, f.name)}
+    options = Options(**given, min_run_time=0.01 if args.smoke else 0.2)
     env = environment(device, ["benchmarks/bench.py", *argv], args.commit)
     slug = re.sub(r"[^a-z0-9]+", "-", env["device"].lower().replace("nvidia", "")).strip("-")
     out = Path(args.out or f"docs/benchmarks/{env['date'][:10]}_{slug if cuda else 'cpu'}")
-    run = {
-        "environment": env,
-        "config": {
-            "preset": "smoke" if args.smoke else "full" if args.full else "quick",
-            "sweeps": {s.name: s.what for s in sweeps},
-            "providers": {p.name: p.what for p in providers},
-            "options": dataclasses.asdict(options),
-        },
-    }
+    preset = "smoke" if args.smoke else "full" if args.full else "quick"
+    config = {"preset": preset, "sweeps": {s.name: s.what for s in sweeps}}
+    config.update(providers={p.name: p.what for p in providers}, options=dataclasses.asdict(options))
     log = functools.partial(print, flush=True)
     log(f"benchmarks/bench.py on {env['device']}: sweeps {', '.join(s.name for s in sweeps)}; out {out}")
-    data = Runner(device, providers, out, options, run, log).run(sweeps)
+    data = Runner(device, providers, out, options, {"environment": env, "config": config}, log).run(sweeps)
     try:
         written = report.render(data, out, with_plots=not args.no_plots)
     except ImportError as exc:  # matplotlib missing: the JSON and the tables are the record
@@ -471,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
         written = report.render(data, out, with_plots=False)
     counts = dict(collections.Counter(r["status"] for r in data["records"]))
     paths = ", ".join(str(p) for p in [out / "results.json", *written])
-    log(f"done in {run['elapsed_s']} s: {counts}; wrote {paths}")
+    log(f"done in {data['runs'][0]['elapsed_s']} s: {counts}; wrote {paths}")
     return 0
 
 

@@ -1,16 +1,6 @@
-"""What the harness times: streamkl's backends and every other way a user gets the same KL today.
-
-A provider gives, per case, a forward `fwd(q1, k1, q2, k2) -> kl (B, H, Nq)` and, where it has
-one, a training step `train(q1, k1, q2, k2, g) -> (kl, dq2, dk2)`: the forward plus the student's
-gradients for an upstream gradient g with the teacher fixed (the step of attention distillation).
-`why_not(case, inputs)` says why a provider cannot run a case (None when it can). Every provider
-is timed by the one code path of benchmarks/bench.py.
-
-Kinds: "streamkl" (a backend of the op); "baseline" (the competitors: the dense formula in the
-inputs' 16-bit dtype, eager and compiled, and the KL through attention calls); "exact" (the dense
-formula in float32, the exactness baselines); "yardstick" (one cuDNN attention forward, which
-computes no KL: what a fused kernel of the same two GEMMs should approach).
-"""
+"""What the harness times: streamkl's backends and every other way a user gets the same KL today, each
+a forward `fwd(case)(q1, k1, q2, k2) -> kl` and, where it has one, a training step
+`train(case)(q1, k1, q2, k2, g) -> (kl, dq2, dk2)`; docs/benchmarks/README.md (Providers) says which."""
 
 from __future__ import annotations
 
@@ -26,9 +16,7 @@ import streamkl
 from benchmarks import sdpa_trick
 from streamkl.testing import dense_attn_kl, visible_mask
 
-# The reference backend is the slow oracle: on a GPU it runs problems up to this many visible pairs
-# (N = 8K at 32 heads, non-causal).
-REFERENCE_MAX_PAIRS_CUDA = 2**31
+REFERENCE_MAX_PAIRS_CUDA = 2**31  # the slow oracle on a GPU: up to N = 8K at 32 heads, non-causal
 
 
 @dataclass(frozen=True)
@@ -47,11 +35,8 @@ class Case:
 
     @property
     def key(self) -> str:
-        heads = f"{self.h}/{self.hk1 or self.h}/{self.hk2 or self.h}"
-        return (
-            f"b={self.b} h={heads} nq={self.nq} nk={self.nk} d={self.d1}/{self.d2} "
-            f"causal={int(self.causal)} {self.dtype}"
-        )
+        heads, d = f"{self.h}/{self.hk1 or self.h}/{self.hk2 or self.h}", f"{self.d1}/{self.d2}"
+        return f"b={self.b} h={heads} nq={self.nq} nk={self.nk} d={d} causal={int(self.causal)} {self.dtype}"
 
     @property
     def logits(self) -> int:
@@ -60,14 +45,10 @@ class Case:
 
     def inputs(self, device, seed: int = 0) -> tuple[torch.Tensor, ...]:
         gen = torch.Generator(device=device).manual_seed(seed)
-        shapes = [
-            (self.b, self.h, self.nq, self.d1),
-            (self.b, self.hk1 or self.h, self.nk, self.d1),
-            (self.b, self.h, self.nq, self.d2),
-            (self.b, self.hk2 or self.h, self.nk, self.d2),
-        ]
+        shapes = [(self.h, self.nq, self.d1), (self.hk1 or self.h, self.nk, self.d1)]
+        shapes += [(self.h, self.nq, self.d2), (self.hk2 or self.h, self.nk, self.d2)]
         dtype = getattr(torch, self.dtype)  # "bfloat16", "float16", "float32"
-        return tuple(torch.randn(s, generator=gen, device=device, dtype=dtype) for s in shapes)
+        return tuple(torch.randn(self.b, *s, generator=gen, device=device, dtype=dtype) for s in shapes)
 
 
 def visible_pairs(nq: int, nk: int, causal: bool) -> int:
@@ -80,20 +61,8 @@ def visible_pairs(nq: int, nk: int, causal: bool) -> int:
 
 
 def attn_kl_flops(case: Case, mode: str) -> int:
-    """The one FLOP count behind every TFLOP/s and "% of GEMM": GEMM work only (exponentials,
-    masks and reductions are free, as in flash-attention's benchmarks), over the visible pairs:
-    pairs = B * H * visible_pairs(Nq, Nk, causal).
-
-        fwd   = S1 = q1 k1^T and S2 = q2 k2^T       = 2 * pairs * (D1 + D2)
-                (= 4 * B * H * visible_pairs * D when D1 = D2 = D)
-        train = fwd + the teacher-fixed backward's four GEMMs: S1 and S2 recomputed,
-                dq2 = dS2 k2 and dk2 = dS2^T q2     = fwd + 2 * pairs * (D1 + D2) + 4 * pairs * D2
-                (= 3 * fwd when D1 = D2)
-
-    Every provider of a case is credited with the same useful work, whatever it computes more
-    (dense baselines the masked half, attention calls their extra passes); attention-cudnn with
-    the forward's count (its QK^T and PV when D1 = D2, the only cases it runs).
-    """
+    """The GEMM work over the visible pairs, the one count behind every TFLOP/s (docs/benchmarks/README.md,
+    FLOPs): fwd = S1 and S2 = 2 * pairs * (D1 + D2); train = fwd + S1, S2 recomputed, dq2 and dk2."""
     pairs = case.b * case.h * visible_pairs(case.nq, case.nk, case.causal)
     fwd = 2 * pairs * (case.d1 + case.d2)
     if mode == "fwd":
@@ -113,21 +82,15 @@ class Provider:
     why_not: Callable[[Case, tuple], str | None] = lambda case, inputs: None
 
 
+def autograd_step(kl_of: Callable, q1, k1, q2, k2, g):
+    """The training step of a forward through autograd: the teacher detached, the gradients of q2, k2."""
+    q2, k2 = q2.detach().requires_grad_(), k2.detach().requires_grad_()
+    kl = kl_of(q1, k1, q2, k2)
+    return kl.detach(), *torch.autograd.grad(kl, (q2, k2), g)
+
+
 def by_autograd(fwd: Callable[[Case], Callable]) -> Callable[[Case], Callable]:
-    """The training step of a forward through autograd: the teacher detached, the gradients of
-    q2 and k2."""
-
-    def make(case):
-        kl_of = fwd(case)
-
-        def train(q1, k1, q2, k2, g):
-            q2, k2 = q2.detach().requires_grad_(), k2.detach().requires_grad_()
-            kl = kl_of(q1, k1, q2, k2)
-            return kl.detach(), *torch.autograd.grad(kl, (q2, k2), g)
-
-        return train
-
-    return make
+    return lambda case: functools.partial(autograd_step, fwd(case))
 
 
 @contextlib.contextmanager
@@ -145,8 +108,7 @@ def exact_fp32_matmuls():
 
 
 def dense_autocast(q1, k1, q2, k2, causal: bool):
-    """The dense formula as autocast code runs it: the two matmuls in the inputs' dtype, the
-    log-softmaxes and the KL in float32; both (B, H, Nq, Nk) distributions materialized."""
+    """The dense formula as autocast code runs it: matmuls in the inputs' dtype, the rest in float32."""
     mask = visible_mask(q1.shape[2], k1.shape[2], True, q1.device) if causal else None
 
     def log_probs(q, k):
@@ -161,62 +123,51 @@ def dense_autocast(q1, k1, q2, k2, causal: bool):
     return (logp1.exp() * diff).sum(-1)
 
 
-def _dense(name, kind, what, formula, compile_backend, exact=False, why_not=None) -> list[Provider]:
-    """The dense formula eager (`torch-<name>`) and under torch.compile (`torch.compile-<name>`,
-    compiled afresh per measurement: dynamo reset, so its first call is the compilation). `exact`:
-    float32 products in true float32 around every call, compilation included."""
+def _dense(name, kind, what, formula, compile_backend, exact=False, why_not=Provider.why_not) -> list:
+    """The formula eager (`torch-<name>`) and compiled afresh per measurement (`torch.compile-<name>`)."""
 
-    def build(compiled):
-        def fwd(case):
-            fn = lambda q1, k1, q2, k2: formula(q1, k1, q2, k2, case.causal)
-            if compiled:
-                torch._dynamo.reset()
-                fn = torch.compile(fn, backend=compile_backend, dynamic=False)
-            return exact_fp32_matmuls()(fn) if exact else fn  # a context manager is a decorator too
-
-        return fwd
+    def fwd(case, compiled):
+        fn = lambda q1, k1, q2, k2: formula(q1, k1, q2, k2, case.causal)
+        if compiled:
+            torch._dynamo.reset()
+            fn = torch.compile(fn, backend=compile_backend, dynamic=False)
+        return exact_fp32_matmuls()(fn) if exact else fn  # a context manager is a decorator too
 
     hows = {"torch": "eager", "torch.compile": f"torch.compile ({compile_backend})"}
-    why_not = why_not or (lambda case, inputs: None)
+    makers = [functools.partial(fwd, compiled=c) for c in (False, True)]
     return [
-        Provider(f"{prefix}-{name}", kind, f"{what}, {how}", fwd, by_autograd(fwd), why_not)
-        for (prefix, how), fwd in zip(hows.items(), (build(False), build(True)))
+        Provider(f"{prefix}-{name}", kind, f"{what}, {how}", make, by_autograd(make), why_not)
+        for (prefix, how), make in zip(hows.items(), makers)
     ]
 
 
 def _streamkl(backend: str) -> Provider:
-    def fwd(case):
-        return lambda q1, k1, q2, k2: streamkl.attn_kl(q1, k1, q2, k2, causal=case.causal, backend=backend)
-
     def why_not(case, inputs):
         pairs = case.b * case.h * visible_pairs(case.nq, case.nk, case.causal)
         if backend == "reference" and inputs[0].is_cuda and pairs > REFERENCE_MAX_PAIRS_CUDA:
             return f"the reference backend (the slow oracle) runs up to 2^31 pairs on a GPU, not {pairs}"
         return streamkl.available_backends(*inputs)[backend]
 
+    fwd = lambda case: functools.partial(streamkl.attn_kl, causal=case.causal, backend=backend)
     what = f"`streamkl.attn_kl(..., backend={backend!r})`; train: autograd of q2, k2"
     return Provider(f"streamkl-{backend}", "streamkl", what, fwd, by_autograd(fwd), why_not)
 
 
 def _sdpa_trick(backend: str) -> Provider:
-    def of_case(fn):
-        scales = lambda case: dict(scale1=case.d1**-0.5, scale2=case.d2**-0.5)
-        return lambda case: functools.partial(fn, causal=case.causal, backend=backend, **scales(case))
-
+    kw = lambda case: dict(causal=case.causal, scale1=case.d1**-0.5, scale2=case.d2**-0.5, backend=backend)
+    fwd = lambda case: functools.partial(sdpa_trick.kl, **kw(case))
+    train = lambda case: functools.partial(sdpa_trick.train, **kw(case))
+    why_not = lambda case, inputs: sdpa_trick.unsupported(*inputs, case.causal, backend)
     what = (
         f"KL from three {backend} attention forwards; train: the same three forwards, then the two "
         "value-gradients of O12 and O22 in one autograd call (sdpa_trick.train)"
     )
-    why_not = lambda case, inputs: sdpa_trick.unsupported(*inputs, case.causal, backend)
-    return Provider(
-        f"sdpa-trick-{backend}", "baseline", what, of_case(sdpa_trick.kl), of_case(sdpa_trick.train), why_not
-    )
+    return Provider(f"sdpa-trick-{backend}", "baseline", what, fwd, train, why_not)
 
 
 def _attention_cudnn() -> Provider:
     def fwd(case):
-        scale = case.d1**-0.5
-        return lambda q1, k1, q2, k2: sdpa_trick.attention(q1, k1, k1, case.causal, scale, "cudnn")[0]
+        return lambda q1, k1, q2, k2: sdpa_trick.attention(q1, k1, k1, case.causal, case.d1**-0.5, "cudnn")[0]
 
     def why_not(case, inputs):
         if case.d1 != case.d2 or (case.hk1 or case.h) != case.h:
@@ -228,8 +179,6 @@ def _attention_cudnn() -> Provider:
 
 
 def all_providers(compile_backend: str = "inductor") -> list[Provider]:
-    """Every provider, in the report's order."""
-
     def only_16bit(case, inputs):
         if case.dtype not in ("bfloat16", "float16"):
             return f"runs 16-bit inputs (on {case.dtype} inputs it is torch-fp32)"
@@ -237,18 +186,12 @@ def all_providers(compile_backend: str = "inductor") -> list[Provider]:
 
     autocast = "dense formula: matmuls in the inputs' 16-bit dtype, log-softmax in float32"
     exact = "`streamkl.testing.dense_attn_kl` in float32, TF32 off: the exact baseline"
-    return [
+    fp32 = functools.partial(dense_attn_kl, dtype=torch.float32)
+    return [  # in the report's order
         *(_streamkl(name) for name in streamkl.BACKENDS),
         *_dense("bf16", "baseline", autocast, dense_autocast, compile_backend, why_not=only_16bit),
         _sdpa_trick("flash"),
         _sdpa_trick("cudnn"),
-        *_dense(
-            "fp32",
-            "exact",
-            exact,
-            functools.partial(dense_attn_kl, dtype=torch.float32),
-            compile_backend,
-            exact=True,
-        ),
+        *_dense("fp32", "exact", exact, fp32, compile_backend, exact=True),
         _attention_cudnn(),
     ]

@@ -1,15 +1,6 @@
 """Markdown, plots and the README's headline, from results.json (the data first, rendering second).
 
-    python benchmarks/report.py RUN.json                          # RUN's folder: results.md, PNGs
-    python benchmarks/report.py A.json B.json --out DIR           # merged into DIR/results.json
-    python benchmarks/report.py RUN.json --readme README.md [--sweeps n]
-
-Merging: runs on one device become one report; a later run's record of a measurement replaces an
-earlier one, except a later n/a. --readme rewrites the block between
-`<!-- bench:headline:start PATH [sweeps=...] -->` and `<!-- bench:headline:end -->` with the
-headline table of RUN.json, PATH naming RUN.json relative to the README; tests/test_bench.py
-regenerates every such block from the JSON it names.
-"""
+Merging runs and the README's generated block: docs/benchmarks/README.md (Outputs, The README's figures)."""
 
 from __future__ import annotations
 
@@ -43,7 +34,6 @@ README_BLOCK = re.compile(
 )
 
 
-# --------------------------------------------------------------------------------- formatting
 def fmt_n(n: int) -> str:
     for unit, suffix in ((2**20, "M"), (2**10, "K")):
         if n >= unit and n % unit == 0:
@@ -61,9 +51,7 @@ def case_name(c: dict) -> str:
     return f"{size} {'causal' if c['causal'] else 'full'} {SHORT_DTYPE.get(c['dtype'], c['dtype'])}{label}"
 
 
-def time_cell(rec: dict | None) -> str:
-    if rec is None:
-        return "—"
+def time_cell(rec: dict) -> str:
     return fmt_ms(rec["ms"]) if rec["status"] == "ok" else {"oom": "OOM"}.get(rec["status"], rec["status"])
 
 
@@ -88,12 +76,12 @@ def table(header: list[str], rows: list[list]) -> str:
     return "\n".join(lines) + "\n"
 
 
-# ------------------------------------------------------------------------------------- merging
 def load(path) -> dict:
     return json.loads(Path(path).read_text())
 
 
 def merge(runs: list[dict]) -> dict:
+    """One report of runs on one device: a later record of a measurement wins, except a later n/a."""
     devices = {r["environment"]["device"] for data in runs for r in data["runs"]}
     if len(devices) > 1:
         raise ValueError(f"refusing to merge runs from different devices: {sorted(devices)}")
@@ -110,10 +98,8 @@ def merge(runs: list[dict]) -> dict:
     return merged
 
 
-# ------------------------------------------------------------------------------------ markdown
 def headline(data: dict, sweeps: list[str] | None = None) -> str:
-    """Per case and mode: streamkl's fastest backend against the fastest non-fp32 baseline of the
-    same run (named), the float32 baselines in a column of their own."""
+    """Per case and mode: streamkl's fastest backend, the fastest non-fp32 baseline, the fp32 ones."""
     groups = collections.defaultdict(list)  # (sweep, case_key, mode) -> its records, as measured
     for r in data["records"]:
         groups[r["sweep"], r["case_key"], r["mode"]].append(r)
@@ -128,23 +114,16 @@ def headline(data: dict, sweeps: list[str] | None = None) -> str:
         tried = sorted({time_cell(r) for r in recs if r["kind"] == "baseline" and r["status"] != "n/a"})
         named = base["provider"] if base else f"none ran ({', '.join(tried)})" if tried else "—"
         exact = ", ".join(f"{r['provider']} {time_cell(r)}" for r in recs if r["kind"] == "exact")
-        rows.append(
-            [
-                sweep,
-                case_name(ours["case"]),
-                mode,
-                ours["provider"].removeprefix("streamkl-"),
-                fmt_ms(ours["ms"]),
-            ]
-            + [error_cell(ours), named, fmt_ms(base["ms"]) if base else "—", error_cell(base)]
-            + [f"{base['ms'] / ours['ms']:.2f}x" if base else "—", exact or "—"]
-        )
+        mine = [ours["provider"].removeprefix("streamkl-"), fmt_ms(ours["ms"]), error_cell(ours)]
+        speed_up = f"{base['ms'] / ours['ms']:.2f}x" if base else "—"
+        theirs = [fmt_ms(base["ms"]), error_cell(base), speed_up] if base else ["—"] * 3
+        rows.append([sweep, case_name(ours["case"]), mode, *mine, named, *theirs, exact or "—"])
     header = ["sweep", "case", "mode", "streamkl", "ms", "error", "fastest baseline", "ms", "error"]
     return table([*header, "speed-up", "fp32 baselines, ms (exact, not competitors)"], rows)
 
 
 def markdown(data: dict) -> str:
-    runs, providers, sweeps = [], {}, {}
+    records, runs, providers, sweeps = data["records"], [], {}, {}
     for i, run in enumerate(data["runs"]):
         providers.update(run["config"]["providers"])
         sweeps.update(run["config"]["sweeps"])
@@ -152,42 +131,36 @@ def markdown(data: dict) -> str:
         commit = (env.get("commit") or "unknown")[:12] + (" (dirty)" if env.get("dirty") else "")
         yard = " / ".join(f"{g['tflops']:.0f}" for g in (gemm.get("start"), gemm.get("end")) if g)
         versions = f"torch {env['torch']}, triton {env.get('triton')}, CUDA {env.get('cuda')}"
-        runs.append(
-            [i, env["date"], f"`{commit}`", f"`{' '.join(env['argv'])}`", versions, yard or "— (CUDA only)"]
-        )
+        command = f"`{' '.join(env['argv'])}`"
+        runs.append([i, env["date"], f"`{commit}`", command, versions, yard or "— (CUDA only)"])
     device = data["runs"][0]["environment"]["device"]
-    kinds = {r["provider"]: r["kind"] for r in data["records"]}
+    kinds = {r["provider"]: r["kind"] for r in records}
+    runs_header = ["run", "date", "commit", "command", "software", "bf16 GEMM TFLOP/s, start / end"]
     parts = [
         f"# streamkl benchmarks: {device}\n",
-        f"Device: {device}.\n\n"
-        + table(["run", "date", "commit", "command", "software", "bf16 GEMM TFLOP/s, start / end"], runs),
+        f"Device: {device}.\n\n" + table(runs_header, runs),
         "## Providers\n\nTFLOP/s count the useful GEMM work of the case (`benchmarks/providers.py`, "
-        "`attn_kl_flops`), whatever a provider computes; % of GEMM is against the run's bf16 GEMM "
-        "at its start. Errors are against float64 on the last query rows (KL: max over rows of "
-        "|kl - ref| / max(1, |ref|); dq2 on those rows and dk2: relative norm error). Peak extra "
-        "memory (CUDA only) counts what one call allocates beyond what was allocated before it, "
-        "its outputs included; the first call (compilation, autotuning) is never timed.\n\n"
+        "`attn_kl_flops`), whatever a provider computes; % of GEMM is against the run's bf16 GEMM at its "
+        "start. Errors are against float64 on the last query rows (KL: max over rows of |kl - ref| / max(1, "
+        "|ref|); dq2 on those rows and dk2: relative norm error). Peak extra memory (CUDA only) counts what "
+        "one call allocates beyond what was allocated before it, its outputs included; the first call "
+        "(compilation, autotuning) is never timed.\n\n"
         + table(["provider", "kind", "what"], [[n, kinds.get(n, ""), w] for n, w in providers.items()]),
         "## Headline\n\nstreamkl's fastest backend against the fastest non-fp32 baseline measured "
         "in the same run for the same case; errors KL / dq2 / dk2.\n\n" + headline(data),
     ]
-    measured = [r for r in data["records"] if r["status"] != "n/a"]
+    measured = [r for r in records if r["status"] != "n/a"]
     header = ["case", "provider", "ms", "TFLOP/s", "% of GEMM", "peak extra MiB", "error", "first call s"]
     for sweep, what in sweeps.items():
-        first = next((r["case"] for r in measured if r["sweep"] == sweep), None)
-        if first is not None:
+        if first := next((r["case"] for r in measured if r["sweep"] == sweep), None):
             parts.append(f"## Sweep `{sweep}`: {what} (B={first['b']}, H={first['h']}, D={first['d1']})\n")
         for mode, title in MODE_TITLE.items():
-            rows = [_sweep_row(data, r) for r in measured if (r["sweep"], r["mode"]) == (sweep, mode)]
-            if rows:
+            if rows := [_sweep_row(data, r) for r in measured if (r["sweep"], r["mode"]) == (sweep, mode)]:
                 parts.append(f"### {title}\n\n" + table(header, rows))
-    not_run = collections.Counter(
-        (r["provider"], r["reason"]) for r in data["records"] if r["status"] == "n/a"
-    )
-    if not_run:
+    if not_run := collections.Counter((r["provider"], r["reason"]) for r in records if r["status"] == "n/a"):
         rows = [[p, reason, n] for (p, reason), n in not_run.items()]
         parts.append("## Not run\n\n" + table(["provider", "why", "measurements"], rows))
-    if failed := [r for r in data["records"] if r["status"] == "error"]:
+    if failed := [r for r in records if r["status"] == "error"]:
         rows = [
             [r["sweep"], case_name(r["case"]), r["provider"], r["mode"], r["reason"][:200]] for r in failed
         ]
@@ -196,22 +169,15 @@ def markdown(data: dict) -> str:
 
 
 def _sweep_row(data: dict, r: dict) -> list[str]:
-    ok = r["status"] == "ok"
+    head = [case_name(r["case"]), r["provider"], time_cell(r)]
+    if r["status"] != "ok":
+        return [*head, "—", "—", "—", error_cell(r), "—"]
     gemm = (((data["runs"][r.get("run", 0)].get("gemm") or {}).get("start")) or {}).get("tflops")
-    mem = r.get("mem_bytes") if ok else None
-    return [
-        case_name(r["case"]),
-        r["provider"],
-        time_cell(r),
-        f"{r['tflops']:.3g}" if ok else "—",
-        f"{100 * r['tflops'] / gemm:.0f}%" if ok and gemm else "—",  # against the run's GEMM at its start
-        "—" if mem is None else f"{mem / 2**20:,.1f}",
-        error_cell(r),
-        f"{r['first_call_s']:.2f}" if ok else "—",
-    ]
+    of_gemm = f"{100 * r['tflops'] / gemm:.0f}%" if gemm else "—"  # against the run's GEMM at its start
+    mem = "—" if r.get("mem_bytes") is None else f"{r['mem_bytes'] / 2**20:,.1f}"
+    return [*head, f"{r['tflops']:.3g}", of_gemm, mem, error_cell(r), f"{r['first_call_s']:.2f}"]
 
 
-# --------------------------------------------------------------------------------------- plots
 def plots(data: dict, out: Path) -> list[Path]:
     """TFLOP/s and time against N (the n sweep, a panel per mode and mask), error against time."""
     import matplotlib
@@ -228,24 +194,22 @@ def plots(data: dict, out: Path) -> list[Path]:
         plt.close(fig)
         return out / name
 
-    n_recs = [r for r in data["records"] if r["sweep"] == "n"]
+    records = data["records"]
+    n_recs = [r for r in records if r["sweep"] == "n"]
     modes = sorted({r["mode"] for r in n_recs})
     masks = sorted({(r["case"]["causal"], r["case"]["dtype"]) for r in n_recs})
     gemms = [g["tflops"] for run in data["runs"] if (g := (run.get("gemm") or {}).get("start"))]
     written = []
     for name, quantity in (("tflops_vs_n.png", "tflops"), ("time_vs_n.png", "ms")) if n_recs else ():
-        fig, axes = plt.subplots(
-            len(modes), len(masks), figsize=(4.6 * len(masks), 3.8 * len(modes)), squeeze=False
-        )
+        size = (4.6 * len(masks), 3.8 * len(modes))
+        fig, axes = plt.subplots(len(modes), len(masks), figsize=size, squeeze=False)
         for (i, mode), (j, (causal, dtype)) in itertools.product(enumerate(modes), enumerate(masks)):
             key = (mode, causal, dtype)
             recs = [r for r in n_recs if (r["mode"], r["case"]["causal"], r["case"]["dtype"]) == key]
             _panel(axes[i][j], recs, quantity, gemms)
             axes[i][j].set_title(f"{mode}, {'causal' if causal else 'full'}, {SHORT_DTYPE.get(dtype, dtype)}")
         written.append(save(fig, name))
-    fwd = [
-        r for r in data["records"] if (r["mode"], r["status"]) == ("fwd", "ok") and "kl" in r.get("error", {})
-    ]
+    fwd = [r for r in records if (r["mode"], r["status"]) == ("fwd", "ok") and "kl" in r.get("error", {})]
     fig, ax = plt.subplots(figsize=(6, 4.2))
     for prov in dict.fromkeys(r["provider"] for r in fwd):
         pts = [(r["ms"], max(r["error"]["kl"], 1e-17)) for r in fwd if r["provider"] == prov]
@@ -256,8 +220,7 @@ def plots(data: dict, out: Path) -> list[Path]:
 
 
 def _panel(ax, recs: list[dict], quantity: str, gemms: list[float]) -> None:
-    """A line per provider; for time, out-of-memory cases as crosses on the upper edge (log
-    axes); for TFLOP/s, the GEMM yardstick of each run."""
+    """A line per provider; for time, out-of-memory cases as crosses on the upper edge (log axes)."""
     for prov in dict.fromkeys(r["provider"] for r in recs):
         mine = [r for r in recs if r["provider"] == prov]
         pts = sorted((r["case"]["nq"], r[quantity]) for r in mine if r["status"] == "ok")
@@ -285,7 +248,6 @@ def render(data: dict, out, with_plots: bool = True) -> list[Path]:
     return [out / "results.md", *(plots(data, out) if with_plots else [])]
 
 
-# -------------------------------------------------------------------------------------- README
 def readme_block(path: str, sweeps: str | None, data: dict) -> str:
     start = f"<!-- bench:headline:start {path}" + (f" sweeps={sweeps}" if sweeps else "") + " -->"
     return f"{start}\n{headline(data, sweeps.split(',') if sweeps else None)}<!-- bench:headline:end -->"
@@ -298,23 +260,16 @@ def update_readme(readme: Path, json_path: Path, sweeps: str | None = None) -> N
     blocks = list(README_BLOCK.finditer(text))
     named = [b for b in blocks if b["path"] == path] or (blocks if len(blocks) == 1 else [])
     if len(named) != 1:
-        raise SystemExit(
-            f"{readme}: expected one '<!-- bench:headline:start ... -->' ... '<!-- bench:headline:end -->' "
-            f"block (naming {path}), found {len(blocks)}"
-        )
-    block = named[0]
-    new = readme_block(path, sweeps or block["sweeps"], load(json_path))
-    readme.write_text(text[: block.start()] + new + text[block.end() :])
+        markers = "'<!-- bench:headline:start ... -->' ... '<!-- bench:headline:end -->'"
+        raise SystemExit(f"{readme}: expected one {markers} block (naming {path}), found {len(blocks)}")
+    new = readme_block(path, sweeps or named[0]["sweeps"], load(json_path))
+    readme.write_text(text[: named[0].start()] + new + text[named[0].end() :])
 
 
 def stale_readme_blocks(readme: Path) -> list[str]:
     """The JSON paths of README's headline blocks that differ from what their JSON generates."""
-    blocks = README_BLOCK.finditer(readme.read_text())
-    return [
-        b["path"]
-        for b in blocks
-        if b[0] != readme_block(b["path"], b["sweeps"], load(readme.parent / b["path"]))
-    ]
+    fresh = lambda b: readme_block(b["path"], b["sweeps"], load(readme.parent / b["path"]))
+    return [b["path"] for b in README_BLOCK.finditer(readme.read_text()) if b[0] != fresh(b)]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,29 +1,9 @@
-"""The KL through attention calls: what a determined user runs today without streamkl.
-
-Per row, with P_t = softmax(S_t) and O = attn(q, k, V) = P V:
-
-    sum_j P1_j S1_j = s1 q1 . attn(q1, k1, V=k1)        sum_j P1_j S2_j = s2 q2 . attn(q1, k1, V=k2)
-    KL = s1 q1 . O11 - s2 q2 . O12 - LSE1 + LSE2
-
-three attention forwards (LSE1 from the first, LSE2 from attn(q2, k2, V=k2)), O(N) memory.
-With the teacher fixed and upstream g per row, the student's gradients are attention outputs and
-value-gradients too:
-
-    dq2 = s2 g (O22 - O12),   O22 = attn(q2, k2, V=k2)
-    dk2 = s2 (dV of attn(q2, k2, .) - dV of attn(q1, k1, .)),  both with dO = g q2
-
-`train` does a training step with that work shared: three forwards and the two value-gradients
-in one autograd call. Each call is an aten attention op that returns the log-sum-exp: flash (on
-CUDA, or its CPU kernel) or cuDNN. Its limits are the ops': causal is top-left aligned (so Nq
-must equal Nk), GQA repeats the key heads, and flash needs the value head dim equal to the
-query's (D1 == D2).
-"""
+"""The KL through attention calls, what a determined user runs today without streamkl: its derivation
+and the ops' limits are in docs/benchmarks/README.md (The attention-call baseline)."""
 
 from __future__ import annotations
 
 import torch
-
-BACKENDS = ("flash", "cudnn")
 
 
 def unsupported(q1, k1, q2, k2, causal: bool, backend: str) -> str | None:
@@ -55,13 +35,11 @@ def attention(q, k, v, causal: bool, scale: float, backend: str):
         out = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
     else:
         out = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
-    o, lse = out[0], out[1]
-    return o, lse.reshape(q.shape[:3]).float()
+    return out[0], out[1].reshape(q.shape[:3]).float()
 
 
 def _forwards(q1, k1, q2, k2, v12, v22, causal, scale1, scale2, backend):
-    """KL per row (B, H, Nq) float32 from the three attention forwards, with O12 = attn(q1, k1, v12)
-    and O22 = attn(q2, k2, v22); k1, k2 have q's head count."""
+    """(KL per row, O12 = attn(q1, k1, v12), O22 = attn(q2, k2, v22)); k1, k2 have q's head count."""
     o11, lse1 = attention(q1, k1, k1, causal, scale1, backend)
     o12, _ = attention(q1, k1, v12, causal, scale1, backend)
     o22, lse2 = attention(q2, k2, v22, causal, scale2, backend)
@@ -76,8 +54,7 @@ def kl(q1, k1, q2, k2, *, causal: bool, scale1: float, scale2: float, backend: s
 
 
 def train(q1, k1, q2, k2, g, *, causal: bool, scale1: float, scale2: float, backend: str):
-    """(kl, dq2, dk2) of one training step, sharing the work: three attention forwards (O12 and
-    O22 with the value requiring grad) and the two value-gradients from one autograd call."""
+    """(kl, dq2, dk2): the three forwards, then both value-gradients in one autograd call."""
     hk2 = k2.shape[1]
     k1r, k2r = _heads(q1, k1).detach(), _heads(q2, k2).detach()
     q1, q2 = q1.detach(), q2.detach()

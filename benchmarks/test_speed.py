@@ -1,14 +1,5 @@
-"""pytest-benchmark runs of the harness's providers (benchmarks/providers.py), one size each, so
-`pytest --benchmark-compare` follows them across commits. Deselected by default (marker `bench`):
-
-    pytest -m bench benchmarks --benchmark-only                  # GPU: N=4096; CPU: tiny
-    pytest -m bench benchmarks --benchmark-only --benchmark-autosave
-    pytest -m bench benchmarks --benchmark-only --benchmark-compare
-
-Each timed call synchronizes the device before it returns, so wall time is device time; the TFLOP/s
-of the median (on `attn_kl_flops`) go into extra_info. The published comparison, with errors,
-memory and out-of-memory handling, is `python benchmarks/bench.py`.
-"""
+"""pytest-benchmark runs of the harness's providers at one size each, deselected by default (marker
+`bench`): `pytest -m bench benchmarks --benchmark-only` (docs/benchmarks/README.md, Run)."""
 
 from __future__ import annotations
 
