@@ -98,8 +98,19 @@ def merge(runs: list[dict]) -> dict:
     return merged
 
 
+def _selection(sweeps: list[str]) -> dict[str, set[str] | None]:
+    """['n:4K+16K', 'decode'] -> {'n': {'4K', '16K'}, 'decode': None}: sweeps, each with the
+    sizes (a case name's first word: 4K, 16x32K) it keeps, or all of them."""
+    return {
+        name: set(sizes.split("+")) if sizes else None
+        for name, _, sizes in (s.partition(":") for s in sweeps)
+    }
+
+
 def headline(data: dict, sweeps: list[str] | None = None) -> str:
-    """Per case and mode: streamkl's fastest backend, the fastest non-fp32 baseline, the fp32 ones."""
+    """Per case and mode: streamkl's fastest backend, the fastest non-fp32 baseline, the fp32 ones;
+    sweeps: 'name' or 'name:size+size' items (_selection), default every case."""
+    keep = _selection(sweeps) if sweeps else None
     groups = collections.defaultdict(list)  # (sweep, case_key, mode) -> its records, as measured
     for r in data["records"]:
         groups[r["sweep"], r["case_key"], r["mode"]].append(r)
@@ -109,7 +120,9 @@ def headline(data: dict, sweeps: list[str] | None = None) -> str:
         for r in sorted((r for r in recs if r["status"] == "ok"), key=lambda r: r["ms"]):
             fastest.setdefault(r["kind"], r)
         ours, base = fastest.get("streamkl"), fastest.get("baseline")
-        if ours is None or (sweeps and sweep not in sweeps):
+        if ours is None or (keep is not None and sweep not in keep):
+            continue
+        if keep is not None and keep[sweep] and case_name(ours["case"]).split()[0] not in keep[sweep]:
             continue
         tried = sorted({time_cell(r) for r in recs if r["kind"] == "baseline" and r["status"] != "n/a"})
         named = base["provider"] if base else f"none ran ({', '.join(tried)})" if tried else "—"
@@ -254,16 +267,20 @@ def readme_block(path: str, sweeps: str | None, data: dict) -> str:
 
 
 def update_readme(readme: Path, json_path: Path, sweeps: str | None = None) -> None:
-    """Rewrite README's headline block from json_path (the block naming it, or the only one)."""
+    """Rewrite README's headline blocks that name json_path (or its only block), each with its own
+    sweeps, or with `sweeps` where exactly one block is rewritten."""
     text = readme.read_text()
     path = Path(os.path.relpath(json_path, readme.parent)).as_posix()
     blocks = list(README_BLOCK.finditer(text))
     named = [b for b in blocks if b["path"] == path] or (blocks if len(blocks) == 1 else [])
-    if len(named) != 1:
+    if not named or (sweeps and len(named) > 1):
         markers = "'<!-- bench:headline:start ... -->' ... '<!-- bench:headline:end -->'"
-        raise SystemExit(f"{readme}: expected one {markers} block (naming {path}), found {len(blocks)}")
-    new = readme_block(path, sweeps or named[0]["sweeps"], load(json_path))
-    readme.write_text(text[: named[0].start()] + new + text[named[0].end() :])
+        want = "one" if sweeps else "a"
+        raise SystemExit(f"{readme}: expected {want} {markers} block (naming {path}), found {len(named)}")
+    data = load(json_path)
+    for b in reversed(named):  # later spans first, so earlier offsets stay valid
+        text = text[: b.start()] + readme_block(path, sweeps or b["sweeps"], data) + text[b.end() :]
+    readme.write_text(text)
 
 
 def stale_readme_blocks(readme: Path) -> list[str]:
@@ -278,7 +295,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", help="folder for results.md and the PNGs (default: the JSON's folder)")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--readme", help="rewrite this README's headline block from the JSON instead")
-    p.add_argument("--sweeps", help="with --readme: the sweeps the headline shows, e.g. n,decode")
+    p.add_argument(
+        "--sweeps",
+        help="with --readme: the sweeps the headline shows, e.g. n,decode or n:4K+16K,decode:16x32K",
+    )
     args = p.parse_args(argv)
     paths = [Path(j) for j in args.json]
     if args.readme:

@@ -260,6 +260,36 @@ def test_readme_block_is_generated_from_the_json_it_names(smoke_run, tmp_path):
     assert readme.read_text() == text
 
 
+def test_headline_keeps_the_sizes_it_names(smoke_run):
+    _, data = smoke_run
+    n_sizes = {report.case_name(r["case"]).split()[0] for r in _ok(data["records"], sweep="n")}
+    size = sorted(n_sizes)[0]
+    table = report.headline(data, [f"n:{size}", "decode"])
+    n_rows = [line for line in table.splitlines() if line.startswith("| n |")]
+    assert n_rows and all(line.startswith(f"| n | {size} ") for line in n_rows)
+    assert "| decode |" in table and "| shapes |" not in table
+    assert report.headline(data, ["n"]).count("| n |") > len(n_rows) or len(n_sizes) == 1
+
+
+def test_readme_blocks_naming_one_json_keep_their_own_sweeps(smoke_run, tmp_path):
+    out, _ = smoke_run
+    run_json = tmp_path / "run.json"
+    shutil.copy(out / "results.json", run_json)
+    readme = tmp_path / "README.md"
+    blocks = [
+        f"<!-- bench:headline:start run.json sweeps={s} -->\nold\n<!-- bench:headline:end -->"
+        for s in ("n", "decode")
+    ]
+    readme.write_text(f"{blocks[0]}\n\nbetween\n\n{blocks[1]}\n")
+    assert report.main([str(run_json), "--readme", str(readme)]) == 0
+    first, second = readme.read_text().split("between")
+    assert "| n |" in first and "| decode |" not in first and "old" not in first
+    assert "| decode |" in second and "| n |" not in second and "old" not in second
+    assert report.stale_readme_blocks(readme) == []
+    with pytest.raises(SystemExit):  # one --sweeps for two blocks: ambiguous
+        report.main([str(run_json), "--readme", str(readme), "--sweeps", "n"])
+
+
 def test_harness_lives_outside_the_package():
     """The wheel carries no harness, and streamkl (python -m streamkl included) imports none of it."""
     assert not (ROOT / "streamkl" / "bench").exists()
