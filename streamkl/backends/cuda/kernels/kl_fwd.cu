@@ -215,6 +215,17 @@ KL_DEV float row_max(const float* s, int i, float c, int lim) {
   return fabsf(c) * ext;
 }
 
+// The exponentials 2^(c s - m) (nm = -m) of a thread's columns 8 j and 8 j + 1 of row i, zero on
+// invalid keys (MASK: visible iff 8 j + k < lim).
+template <bool MASK>
+KL_DEV void exp_pair(const float* s, int i, int j, float c, float nm, int lim, float& ex, float& ey) {
+  ex = ex2(fmaf(s[KL_IDX(j, i, 0)], c, nm)), ey = ex2(fmaf(s[KL_IDX(j, i, 1)], c, nm));
+  if (MASK) {
+    ex = 8 * j < lim ? ex : 0.f;
+    ey = 8 * j + 1 < lim ? ey : 0.f;
+  }
+}
+
 struct Row {
   float m1, l1, m2, l2, aa, ab;
 };
@@ -231,11 +242,8 @@ KL_DEV void row1(float* s1, Row& r, float c1, int lim, int i) {
 #pragma unroll
   for (int j = 0; j < BN / 8; ++j) {
     const int x = KL_IDX(j, i, 0), y = KL_IDX(j, i, 1);
-    float ex = ex2(fmaf(s1[x], c1, nm)), ey = ex2(fmaf(s1[y], c1, nm));
-    if (MASK) {
-      ex = 8 * j < lim ? ex : 0.f;
-      ey = 8 * j + 1 < lim ? ey : 0.f;
-    }
+    float ex, ey;
+    exp_pair<MASK>(s1, i, j, c1, nm, lim, ex, ey);
     l0 += ex, l1 += ey;
     a0 = fmaf(ex, s1[x], a0), a1 = fmaf(ey, s1[y], a1);
     s1[x] = ex, s1[y] = ey;
@@ -257,11 +265,8 @@ KL_DEV void row2(const float* s1, const float* s2, Row& r, float c2, int lim, in
 #pragma unroll
   for (int j = 0; j < BN / 8; ++j) {
     const int x = KL_IDX(j, i, 0), y = KL_IDX(j, i, 1);
-    float ex = ex2(fmaf(s2[x], c2, nm)), ey = ex2(fmaf(s2[y], c2, nm));
-    if (MASK) {
-      ex = 8 * j < lim ? ex : 0.f;
-      ey = 8 * j + 1 < lim ? ey : 0.f;
-    }
+    float ex, ey;
+    exp_pair<MASK>(s2, i, j, c2, nm, lim, ex, ey);
     l0 += ex, l1 += ey;
     a0 = fmaf(s1[x], s2[x], a0), a1 = fmaf(s1[y], s2[y], a1);
   }
@@ -284,11 +289,8 @@ KL_DEV void row1_lagged(float* s1, Row& r, float c1, int lim, int i, bool first)
 #pragma unroll
     for (int j = 0; j < BN / 8; ++j) {
       const int x = KL_IDX(j, i, 0), y = KL_IDX(j, i, 1);
-      float ex = ex2(fmaf(s1[x], c1, nm)), ey = ex2(fmaf(s1[y], c1, nm));
-      if (MASK) {
-        ex = 8 * j < lim ? ex : 0.f;
-        ey = 8 * j + 1 < lim ? ey : 0.f;
-      }
+      float ex, ey;
+      exp_pair<MASK>(s1, i, j, c1, nm, lim, ex, ey);
       l0 += ex, l1 += ey;
       a0 = fmaf(ex, s1[x], a0), a1 = fmaf(ey, s1[y], a1);
       e[2 * j] = ex, e[2 * j + 1] = ey;
@@ -314,11 +316,8 @@ KL_DEV void row2_lagged(const float* s1, const float* s2, Row& r, float c2, int 
 #pragma unroll
     for (int j = 0; j < BN / 8; ++j) {
       const int x = KL_IDX(j, i, 0), y = KL_IDX(j, i, 1);
-      float ex = ex2(fmaf(s2[x], c2, nm)), ey = ex2(fmaf(s2[y], c2, nm));
-      if (MASK) {
-        ex = 8 * j < lim ? ex : 0.f;
-        ey = 8 * j + 1 < lim ? ey : 0.f;
-      }
+      float ex, ey;
+      exp_pair<MASK>(s2, i, j, c2, nm, lim, ex, ey);
       sums[0] += ex, sums[1] += ey;
       sums[2] = fmaf(s1[x], s2[x], sums[2]), sums[3] = fmaf(s1[y], s2[y], sums[3]);
     }
