@@ -1,10 +1,11 @@
 """The forward's host side: which instantiation of kernels/kl_fwd.cu runs, its tensor maps, its
 parameter block and its launch on torch's current stream (no host sync, no input copied).
 
-A call costs: three output allocations, one dict lookup per input for its tensor map (encoded by
-cuTensorMapEncodeTiled once per (address, shape, strides, dtype, box) and kept), one struct.pack
-of the parameter block into one buffer, and cuLaunchKernel with a one-entry argument array
-pointing at it.
+A call costs: three output allocations, cached lookups of the kernel and the split count, one
+dict lookup per input for its tensor map (encoded by cuTensorMapEncodeTiled once per (address,
+shape, strides, dtype, box) and kept), one struct.pack of the parameter block into one buffer,
+and cuLaunchKernel with a one-entry argument array pointing at it; with split-K, one more
+allocation (the partial row states) and the launch of kl_combine on the same block.
 """
 
 from __future__ import annotations
@@ -248,7 +249,7 @@ def forward(q1, k1, q2, k2, *, causal, scale1, scale2, consts: dict | None = Non
     bn = consts["BN"]
     rows = B * H * NQ
     splits = splits_for(m_tiles * H * B, -(-NK // bn), B, _sm_count(index)) if rows < 2**31 else 1
-    part = torch.empty(splits * rows * PART if splits > 1 else 0, device=dev, dtype=torch.float32)
+    part = torch.empty(splits * rows * PART, device=dev, dtype=torch.float32) if splits > 1 else None
     block = (
         tensor_map(q1, 64)
         + tensor_map(k1, bn)
@@ -258,7 +259,7 @@ def forward(q1, k1, q2, k2, *, causal, scale1, scale2, consts: dict | None = Non
             kl.data_ptr(),
             lse1.data_ptr(),
             lse2.data_ptr(),
-            part.data_ptr(),
+            part.data_ptr() if part is not None else 0,
             H,
             NQ,
             NK,
