@@ -230,14 +230,23 @@ struct Row {
   float m1, l1, m2, l2, aa, ab;
 };
 
+// Raises row i's m to the tile's max: returns the rescale alpha = 2^(m_old - m_new) and sets nm
+// to -m_new (0 while the row has seen nothing, so no -inf - -inf).
+template <bool MASK>
+KL_DEV float raise_max(const float* s, float& m, float c, int lim, int i, float& nm) {
+  const float mnew = fmaxf(m, row_max<MASK>(s, i, c, lim));
+  const float mu = mnew == -KL_INF ? 0.f : mnew;
+  const float alpha = ex2(m - mu);
+  m = mnew;
+  nm = -mu;
+  return alpha;
+}
+
 // The S1 half of row i's update: m1, l1, aa (and ab's rescale); leaves e1 = 2^(t1 - m1) in s1.
 template <bool MASK>
 KL_DEV void row1(float* s1, Row& r, float c1, int lim, int i) {
-  const float mnew = fmaxf(r.m1, row_max<MASK>(s1, i, c1, lim));
-  const float mu = mnew == -KL_INF ? 0.f : mnew;
-  const float alpha = ex2(r.m1 - mu);
-  r.m1 = mnew;
-  const float nm = -mu;
+  float nm;
+  const float alpha = raise_max<MASK>(s1, r.m1, c1, lim, i, nm);
   float l0 = 0.f, l1 = 0.f, a0 = 0.f, a1 = 0.f;
 #pragma unroll
   for (int j = 0; j < BN / 8; ++j) {
@@ -256,11 +265,8 @@ KL_DEV void row1(float* s1, Row& r, float c1, int lim, int i) {
 // The S2 half of row i's update: m2, l2 and ab += e1 * S2 (s1 holds e1, zero on invalid keys).
 template <bool MASK>
 KL_DEV void row2(const float* s1, const float* s2, Row& r, float c2, int lim, int i) {
-  const float mnew = fmaxf(r.m2, row_max<MASK>(s2, i, c2, lim));
-  const float mu = mnew == -KL_INF ? 0.f : mnew;
-  const float alpha = ex2(r.m2 - mu);
-  r.m2 = mnew;
-  const float nm = -mu;
+  float nm;
+  const float alpha = raise_max<MASK>(s2, r.m2, c2, lim, i, nm);
   float l0 = 0.f, l1 = 0.f, a0 = 0.f, a1 = 0.f;
 #pragma unroll
   for (int j = 0; j < BN / 8; ++j) {
