@@ -31,7 +31,7 @@ if __package__ in (None, ""):  # run as a script: the repository root holds the 
 
 import streamkl  # noqa: E402
 from benchmarks import report  # noqa: E402
-from benchmarks.providers import Case, Provider, all_providers, attn_kl_flops  # noqa: E402
+from benchmarks.providers import Case, Provider, all_providers, attn_kl_bytes, attn_kl_flops  # noqa: E402
 from streamkl.testing import rel_err  # noqa: E402
 
 K = 1024
@@ -144,6 +144,17 @@ def gemm_yardstick(device: torch.device, size: int) -> dict | None:
     return {"size": size, "dtype": "bfloat16", "ms": ms, "tflops": 2 * size**3 / ms / 1e9}
 
 
+def copy_yardstick(device: torch.device, size: int = 2**31) -> dict | None:
+    """Device-to-device copy bandwidth (bytes read + written per second), the bound behind "% of
+    copy" for memory-bound cases; timed sustained like the GEMM."""
+    if device.type != "cuda":
+        return None
+    src = torch.empty(size, device=device, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    ms, _ = time_ms(lambda: dst.copy_(src), device, Options(warmup_ms=300, rep_ms=600))
+    return {"bytes": size, "ms": ms, "gbps": 2 * size / ms / 1e6}
+
+
 def _git(*cmd: str) -> str | None:
     root = Path(__file__).resolve().parents[1]
     try:
@@ -239,6 +250,7 @@ class Runner:
 
     def run(self, sweeps: list[Sweep]) -> dict:
         gemm = self.data["runs"][0]["gemm"] = {"start": gemm_yardstick(self.device, self.opt.gemm_size)}
+        self.data["runs"][0]["copy"] = copy_yardstick(self.device)
         for sweep in sweeps:
             self.log(f"== sweep {sweep.name}: {sweep.what}, {len(sweep.cases)} cases")
             providers = [p for p in self.providers if sweep.providers is None or p.name in sweep.providers]
@@ -263,8 +275,9 @@ class Runner:
             fields = failed or self.measure(sweep, case, prov, mode, inputs, g, reference)
             rec = {"run": 0, "sweep": sweep.name, "case": dataclasses.asdict(case), "case_key": case.key}
             rec.update(
-                provider=prov.name, kind=prov.kind, mode=mode, flops=attn_kl_flops(case, mode), **fields
-            )
+                provider=prov.name, kind=prov.kind, mode=mode, flops=attn_kl_flops(case, mode),
+                bytes=attn_kl_bytes(case), **fields,
+            )  # fmt: skip
             self.data["records"].append(rec)
             self.save()
             self.log(report.one_line(rec))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import math
 import platform
@@ -33,12 +34,17 @@ VARIANTS = {
     "x-noexp": dict(NWG=2, BN=128, STAGES=2, WS=1, PINGPONG=1, ABLATE=1),
     "x-onegemm": dict(NWG=2, BN=128, STAGES=2, WS=1, PINGPONG=1, ABLATE=2),
     "x-1stage": dict(NWG=2, BN=128, STAGES=1, WS=1, PINGPONG=1),
+    "p-poly2": dict(NWG=2, BN=128, STAGES=2, WS=1, PINGPONG=1, POLY2=2),
+    "p-poly4": dict(NWG=2, BN=128, STAGES=2, WS=1, PINGPONG=1, POLY2=4),
+    "p-poly8": dict(NWG=2, BN=128, STAGES=2, WS=1, PINGPONG=1, POLY2=8),
+    "p-poly4x4": dict(NWG=2, BN=128, STAGES=2, WS=1, PINGPONG=1, POLY1=4, POLY2=4),
 }
 ABLATIONS = tuple(v for v in VARIANTS if v.startswith("x-"))
-TIMED_AT_D64 = ("c-pingpong2", *ABLATIONS)
-# (b, h, hk1, hk2, nq, nk, d1, d2, layout, causal, dtype[, dict(std=, scale1=, scale2=)]): std
-# scales the random inputs (std 50 at D = 128: |S * scale| up to ~1e4), the scales default to
-# 1 / sqrt(d).
+TIMED_AT_D64 = ("c-pingpong2", "p-poly4", "p-poly8", "p-poly4x4", *ABLATIONS)
+# (b, h, hk1, hk2, nq, nk, d1, d2, layout, causal, dtype[, dict(std=, scale1=, scale2=, lengths=)]):
+# std scales the random inputs (std 50 at D = 128: |S * scale| up to ~1e4), the scales default to
+# 1 / sqrt(d); lengths packs sequences of those lengths (cu_seqlens; nq = nk = their sum).
+PACKED = dict(lengths=[0, 130, 1, 300, 64, 257])
 CHECKS = [
     (2, 4, 4, 4, 1000, 1000, 128, 128, "bhnd", False, torch.bfloat16),
     (2, 4, 4, 4, 1000, 1000, 128, 128, "bhnd", True, torch.bfloat16),
@@ -49,6 +55,8 @@ CHECKS = [
     (1, 4, 4, 4, 300, 900, 128, 128, "bhnd", False, torch.bfloat16, dict(std=50.0)),
     (1, 4, 2, 2, 300, 900, 128, 128, "bhnd", True, torch.bfloat16, dict(std=10.0)),
     (1, 4, 4, 2, 260, 700, 128, 64, "bnhd", True, torch.bfloat16, dict(std=20.0, scale1=-0.1, scale2=0.06)),
+    (1, 2, 1, 2, 3, 3000, 128, 64, "bnhd", True, torch.bfloat16),  # split-K
+    (1, 2, 2, 1, 752, 752, 128, 64, "bnhd", True, torch.bfloat16, PACKED),
 ]
 
 
@@ -60,11 +68,14 @@ def consts_for(variant, d1, d2, dtype):
     return c
 
 
-def run_cuda(inputs, causal, consts, scale1=None, scale2=None):
+def run_cuda(inputs, causal, consts, scale1=None, scale2=None, cu_seqlens=None):
     q1, k1, q2, k2 = inputs
     s1 = 1 / math.sqrt(q1.shape[-1]) if scale1 is None else scale1
     s2 = 1 / math.sqrt(q2.shape[-1]) if scale2 is None else scale2
-    return _launch.forward(q1, k1, q2, k2, causal=causal, scale1=s1, scale2=s2, consts=consts)
+    packed = dict(cu_seqlens=cu_seqlens, max_seqlen=None)
+    if cu_seqlens is not None:
+        packed["max_seqlen"] = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+    return _launch.forward(q1, k1, q2, k2, causal=causal, scale1=s1, scale2=s2, consts=consts, **packed)
 
 
 def check(variant, log):
@@ -76,11 +87,15 @@ def check(variant, log):
         inputs = make_inputs(b=b, h=h, hk1=hk1, hk2=hk2, nq=nq, nk=nk, d1=d1, d2=d2, dtype=dtype,
                              device="cuda", layout=layout, seed=nq + nk, std=std)  # fmt: skip
         scales = dict(scale1=opts.get("scale1"), scale2=opts.get("scale2"))
+        cu = None
+        if "lengths" in opts:
+            cu = torch.tensor([0, *itertools.accumulate(opts["lengths"])], dtype=torch.int32, device="cuda")
         poison = torch.full((3, b, h, nq), float("nan"), device="cuda")
         del poison  # the outputs reuse this memory
-        kl, lse1, lse2 = run_cuda(inputs, causal, consts, **scales)
+        kl, lse1, lse2 = run_cuda(inputs, causal, consts, cu_seqlens=cu, **scales)
         torch.cuda.synchronize()
-        ref, r1, r2 = dense_attn_kl(*(t.double() for t in inputs), causal=causal, return_lse=True, **scales)
+        wide = [t.double() for t in inputs]
+        ref, r1, r2 = dense_attn_kl(*wide, causal=causal, return_lse=True, cu_seqlens=cu, **scales)
         finite = torch.isfinite(r1)  # rows that see a key
         ok_inf = torch.equal(torch.isneginf(lse1), torch.isneginf(r1)) and torch.equal(
             torch.isneginf(lse2), torch.isneginf(r2)
@@ -177,7 +192,10 @@ def main():
     variants = args.variants.split(",")
     if args.small:
         CHECKS[:] = [(1, 2, 1, 2, 200, 333, 128, 64, "bnhd", True, torch.bfloat16),
-                     (1, 2, 2, 1, 77, 64, 64, 128, "bhnd", False, torch.float16)]  # fmt: skip
+                     (1, 2, 2, 1, 77, 64, 64, 128, "bhnd", False, torch.float16),
+                     (1, 2, 1, 1, 3, 1200, 64, 128, "bnhd", False, torch.bfloat16),  # split-K
+                     (1, 2, 2, 1, 300, 300, 128, 64, "bnhd", True, torch.bfloat16,
+                      dict(lengths=[0, 70, 1, 129, 100]))]  # fmt: skip
     commit = (
         args.commit
         or subprocess.run(

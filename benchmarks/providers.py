@@ -60,6 +60,15 @@ def visible_pairs(nq: int, nk: int, causal: bool) -> int:
     return nk * (nk + 1) // 2  # the first nq - nk rows see nothing
 
 
+def attn_kl_bytes(case: Case) -> int:
+    """What a forward must move at the least: the four inputs read once and the (B, H, Nq) float32
+    KL written; against the copy bandwidth, the bound of memory-bound cases (decode)."""
+    size = getattr(torch, case.dtype).itemsize
+    q = case.b * case.h * case.nq * (case.d1 + case.d2)
+    k = case.b * case.nk * ((case.hk1 or case.h) * case.d1 + (case.hk2 or case.h) * case.d2)
+    return (q + k) * size + 4 * case.b * case.h * case.nq
+
+
 def attn_kl_flops(case: Case, mode: str) -> int:
     """The GEMM work over the visible pairs, the one count behind every TFLOP/s (docs/benchmarks/README.md,
     FLOPs): fwd = S1 and S2 = 2 * pairs * (D1 + D2); train = fwd + S1, S2 recomputed, dq2 and dk2."""

@@ -143,12 +143,14 @@ def markdown(data: dict) -> str:
         env, gemm = run["environment"], run.get("gemm") or {}
         commit = (env.get("commit") or "unknown")[:12] + (" (dirty)" if env.get("dirty") else "")
         yard = " / ".join(f"{g['tflops']:.0f}" for g in (gemm.get("start"), gemm.get("end")) if g)
+        copy = f"{run['copy']['gbps']:,.0f}" if run.get("copy") else "—"
         versions = f"torch {env['torch']}, triton {env.get('triton')}, CUDA {env.get('cuda')}"
         command = f"`{' '.join(env['argv'])}`"
-        runs.append([i, env["date"], f"`{commit}`", command, versions, yard or "— (CUDA only)"])
+        runs.append([i, env["date"], f"`{commit}`", command, versions, yard or "— (CUDA only)", copy])
     device = data["runs"][0]["environment"]["device"]
     kinds = {r["provider"]: r["kind"] for r in records}
     runs_header = ["run", "date", "commit", "command", "software", "bf16 GEMM TFLOP/s, start / end"]
+    runs_header.append("copy GB/s")
     parts = [
         f"# streamkl benchmarks: {device}\n",
         f"Device: {device}.\n\n" + table(runs_header, runs),
@@ -157,7 +159,8 @@ def markdown(data: dict) -> str:
         "start. Errors are against float64 on the last query rows (KL: max over rows of |kl - ref| / max(1, "
         "|ref|); dq2 on those rows and dk2: relative norm error). Peak extra memory (CUDA only) counts what "
         "one call allocates beyond what was allocated before it, its outputs included; the first call "
-        "(compilation, autotuning) is never timed.\n\n"
+        "(compilation, autotuning) is never timed. % of copy (the decode forward) is the inputs' bytes read "
+        "once, and the KL written, against the run's device-to-device copy bandwidth.\n\n"
         + table(["provider", "kind", "what"], [[n, kinds.get(n, ""), w] for n, w in providers.items()]),
         "## Headline\n\nstreamkl's fastest backend against the fastest non-fp32 baseline measured "
         "in the same run for the same case; errors KL / dq2 / dk2.\n\n" + headline(data),
@@ -168,8 +171,10 @@ def markdown(data: dict) -> str:
         if first := next((r["case"] for r in measured if r["sweep"] == sweep), None):
             parts.append(f"## Sweep `{sweep}`: {what} (B={first['b']}, H={first['h']}, D={first['d1']})\n")
         for mode, title in MODE_TITLE.items():
-            if rows := [_sweep_row(data, r) for r in measured if (r["sweep"], r["mode"]) == (sweep, mode)]:
-                parts.append(f"### {title}\n\n" + table(header, rows))
+            copy = sweep == "decode" and mode == "fwd"  # memory-bound: against the copy bandwidth
+            here = [r for r in measured if (r["sweep"], r["mode"]) == (sweep, mode)]
+            if rows := [_sweep_row(data, r, copy) for r in here]:
+                parts.append(f"### {title}\n\n" + table(header + ["% of copy"] * copy, rows))
     if not_run := collections.Counter((r["provider"], r["reason"]) for r in records if r["status"] == "n/a"):
         rows = [[p, reason, n] for (p, reason), n in not_run.items()]
         parts.append("## Not run\n\n" + table(["provider", "why", "measurements"], rows))
@@ -181,14 +186,19 @@ def markdown(data: dict) -> str:
     return "\n".join(parts)
 
 
-def _sweep_row(data: dict, r: dict) -> list[str]:
+def _sweep_row(data: dict, r: dict, copy: bool = False) -> list[str]:
     head = [case_name(r["case"]), r["provider"], time_cell(r)]
     if r["status"] != "ok":
-        return [*head, "—", "—", "—", error_cell(r), "—"]
-    gemm = (((data["runs"][r.get("run", 0)].get("gemm") or {}).get("start")) or {}).get("tflops")
+        return [*head, "—", "—", "—", error_cell(r), "—"] + ["—"] * copy
+    run = data["runs"][r.get("run", 0)]
+    gemm = ((run.get("gemm") or {}).get("start") or {}).get("tflops")
     of_gemm = f"{100 * r['tflops'] / gemm:.0f}%" if gemm else "—"  # against the run's GEMM at its start
     mem = "—" if r.get("mem_bytes") is None else f"{r['mem_bytes'] / 2**20:,.1f}"
-    return [*head, f"{r['tflops']:.3g}", of_gemm, mem, error_cell(r), f"{r['first_call_s']:.2f}"]
+    row = [*head, f"{r['tflops']:.3g}", of_gemm, mem, error_cell(r), f"{r['first_call_s']:.2f}"]
+    if copy:  # GB/s of the bytes a forward must move, against the run's copy bandwidth
+        gbps = (run.get("copy") or {}).get("gbps")
+        row.append(f"{100 * r['bytes'] / r['ms'] / 1e6 / gbps:.0f}%" if gbps and r.get("bytes") else "—")
+    return row
 
 
 def plots(data: dict, out: Path) -> list[Path]:

@@ -97,12 +97,12 @@ def test_supports_refuses_what_it_cannot_run_on_cpu():
 # ---- GPU: the kernel against the oracle ----
 
 
-def _forward(inputs, causal, scale1=None, scale2=None):
+def _forward(inputs, causal, scale1=None, scale2=None, cu_seqlens=None, max_seqlen=None):
     q1, k1, q2, k2 = inputs
     s1 = 1 / math.sqrt(q1.shape[-1]) if scale1 is None else scale1
     s2 = 1 / math.sqrt(q2.shape[-1]) if scale2 is None else scale2
     return backend.forward(
-        q1, k1, q2, k2, causal=causal, scale1=s1, scale2=s2, cu_seqlens=None, max_seqlen=None
+        q1, k1, q2, k2, causal=causal, scale1=s1, scale2=s2, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen
     )
 
 
@@ -160,6 +160,37 @@ def test_split_k_decode_shapes(nq, nk, hk1, hk2, causal):
                              seed=nq + nk, std=std)  # fmt: skip
         s1, s2 = 1 / math.sqrt(128), 1 / math.sqrt(64)
         _check_poisoned(inputs, causal, s1, s2)
+
+
+# Packed sequence lengths: empty ones, one row, tile edges and ragged ends, next to long ones
+# (a few heads: the long sequences' row tiles are split-K's) and many short ones.
+PACKED = [[0, 130, 1, 300, 64, 0, 257, 128], [4000, 3, 129, 2500], [17] * 40 + [1000]]
+
+
+@gpu
+@sm90
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("lengths", PACKED, ids=lambda ls: f"{len(ls)}seqs-max{max(ls)}")
+def test_packed_sequences(lengths, causal):
+    """cu_seqlens through the kernel against the float64 oracle, into poisoned outputs: every
+    row of every sequence written, no key of a neighbouring sequence seen; a max_seqlen above
+    the longest one only adds row tiles that exit."""
+    import itertools
+
+    total = sum(lengths)
+    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device="cuda")
+    for dtype, d1, d2, hk2, extra in ((torch.bfloat16, 128, 64, 1, 0), (torch.float16, 64, 128, 2, 200)):
+        inputs = make_inputs(h=2, hk1=2, hk2=hk2, nq=total, nk=total, d1=d1, d2=d2, dtype=dtype,
+                             device="cuda", layout="bnhd", seed=total + d1)  # fmt: skip
+        assert _dispatch.why_not("cuda", *inputs, cu) is None
+        out = tuple(torch.full((1, 2, total), float("nan"), device="cuda") for _ in range(3))
+        s1, s2 = 1 / math.sqrt(d1), 0.1
+        kl, lse1, lse2 = _launch.forward(*inputs, causal=causal, scale1=s1, scale2=s2, cu_seqlens=cu,
+                                         max_seqlen=max(lengths) + extra, out=out)  # fmt: skip
+        torch.cuda.synchronize()
+        expected = Expected(inputs, causal=causal, scale1=s1, scale2=s2, cu_seqlens=cu)
+        expected.check_kl(kl)
+        expected.check_lse(lse1, lse2)
 
 
 @gpu

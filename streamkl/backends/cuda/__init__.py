@@ -43,8 +43,6 @@ def _arch_reason(index: int) -> str | None:
 def supports(q1, k1, q2, k2, cu_seqlens=None) -> str | None:
     if q1.device.type != "cuda":
         return "the cuda backend runs CUDA tensors only"
-    if cu_seqlens is not None:
-        return "the cuda backend does not take packed sequences (cu_seqlens) yet"
     dtypes = {t.dtype for t in (q1, k1, q2, k2)}
     if len(dtypes) != 1 or q1.dtype not in _DTYPES:
         got = ", ".join(sorted(str(d) for d in dtypes))
@@ -53,8 +51,9 @@ def supports(q1, k1, q2, k2, cu_seqlens=None) -> str | None:
 
     if q1.shape[-1] > MAX_D or q2.shape[-1] > MAX_D:
         return f"the cuda backend runs head dims up to {MAX_D}; got D1={q1.shape[-1]}, D2={q2.shape[-1]}"
-    if q1.shape[1] > _MAX_GRID_YZ or q1.shape[0] > _MAX_GRID_YZ:
-        return f"the cuda backend runs at most {_MAX_GRID_YZ} heads and batches"
+    batch = q1.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    if q1.shape[1] > _MAX_GRID_YZ or batch > _MAX_GRID_YZ:
+        return f"the cuda backend runs at most {_MAX_GRID_YZ} heads and batches (or packed sequences)"
     reason = _toolchain() or _arch_reason(q1.device.index or 0)
     if reason is not None:
         return reason
@@ -68,7 +67,8 @@ def supports(q1, k1, q2, k2, cu_seqlens=None) -> str | None:
 def forward(q1, k1, q2, k2, *, causal, scale1, scale2, cu_seqlens, max_seqlen):
     from ._launch import forward as launch
 
-    return launch(q1, k1, q2, k2, causal=causal, scale1=scale1, scale2=scale2)
+    packed = dict(cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+    return launch(q1, k1, q2, k2, causal=causal, scale1=scale1, scale2=scale2, **packed)
 
 
 def backward(*args, **kwargs):

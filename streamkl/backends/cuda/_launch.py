@@ -24,8 +24,8 @@ SMEM_LIMIT = 232448  # dynamic shared memory one sm_90 CTA may opt into (227 KB)
 TMA_BOX = 64  # 16-bit columns per TMA box: one 128-byte swizzle span
 MAX_D = 128  # head dims are padded (by TMA's zero fill) to 64 or 128
 PARAMS_BYTES = 640  # sizeof(Params) in kl_fwd.cu: four 128-byte maps, then the scalars
-# kl, lse1, lse2, part, h, nq, nk, g1, g2, m_tiles, causal, splits, rows, c1, c2
-_SCALARS = struct.Struct("<4Q9i2f")
+# kl, lse1, lse2, part, cu, h, nq, nk, g1, g2, m_tiles, causal, splits, rows, c1, c2
+_SCALARS = struct.Struct("<5Q9i2f")
 _PAD = bytes(PARAMS_BYTES - 4 * 128 - _SCALARS.size)
 SOURCE_FILE = "kl_fwd.cu"
 ENTRY = "kl_fwd"
@@ -222,10 +222,13 @@ def splits_for(ctas: int, key_tiles: int, batch: int, sms: int) -> int:
     return best
 
 
-def forward(q1, k1, q2, k2, *, causal, scale1, scale2, consts: dict | None = None, out=None):
-    """(kl, lse1, lse2) of dense inputs; consts: an instantiation replacing the shipped one
-    (benchmarks/cuda_fwd.py's variants); out: three (B, H, Nq) float32 contiguous tensors to
-    write instead of fresh ones (the benchmark poisons them first)."""
+def forward(
+    q1, k1, q2, k2, *, causal, scale1, scale2, cu_seqlens=None, max_seqlen=None, consts=None, out=None
+):
+    """(kl, lse1, lse2) of dense or packed inputs (cu_seqlens: int32 offsets on the inputs'
+    device, max_seqlen: at least the longest sequence); consts: an instantiation replacing the
+    shipped one (benchmarks/cuda_fwd.py's variants); out: three (B, H, Nq) float32 contiguous
+    tensors to write instead of fresh ones (the benchmark poisons them first)."""
     B, H, NQ, D1 = q1.shape
     NK, D2 = k1.shape[2], q2.shape[3]
     dev = q1.device
@@ -245,10 +248,15 @@ def forward(q1, k1, q2, k2, *, causal, scale1, scale2, consts: dict | None = Non
         consts = k.consts
     else:
         k = kernel(consts, index)
-    m_tiles = -(-NQ // k.bm)
+    # Packed sequences: the grid's batch runs the sequences, its row tiles the longest one.
+    if cu_seqlens is not None:
+        cu_seqlens = cu_seqlens.contiguous()  # read by every CTA; it outlives the launch in stream order
+    seqs, longest = (B, NQ) if cu_seqlens is None else (cu_seqlens.shape[0] - 1, max_seqlen)
+    m_tiles = -(-longest // k.bm)
     bn = consts["BN"]
     rows = B * H * NQ
-    splits = splits_for(m_tiles * H * B, -(-NK // bn), B, _sm_count(index)) if rows < 2**31 else 1
+    key_tiles = -(-(NK if cu_seqlens is None else longest) // bn)
+    splits = splits_for(m_tiles * H * seqs, key_tiles, seqs, _sm_count(index)) if rows < 2**31 else 1
     part = torch.empty(splits * rows * PART, device=dev, dtype=torch.float32) if splits > 1 else None
     block = (
         tensor_map(q1, 64)
@@ -260,6 +268,7 @@ def forward(q1, k1, q2, k2, *, causal, scale1, scale2, consts: dict | None = Non
             lse1.data_ptr(),
             lse2.data_ptr(),
             part.data_ptr() if part is not None else 0,
+            cu_seqlens.data_ptr() if cu_seqlens is not None else 0,
             H,
             NQ,
             NK,
@@ -280,7 +289,7 @@ def forward(q1, k1, q2, k2, *, causal, scale1, scale2, consts: dict | None = Non
 
     stream = driver.CUstream(torch.cuda.current_stream(dev).cuda_stream)
     (err,) = driver.cuLaunchKernel(
-        k.handle, m_tiles, H, B * splits, k.threads, 1, 1, k.smem, stream, ctypes.addressof(argv), 0
+        k.handle, m_tiles, H, seqs * splits, k.threads, 1, 1, k.smem, stream, ctypes.addressof(argv), 0
     )
     if int(err) != 0:
         raise RuntimeError(f"cuLaunchKernel of {ENTRY} {consts} failed: {err!r}")

@@ -1,7 +1,11 @@
 // kl_fwd.cu: the fused forward, KL(softmax(s1 Q1 K1^T) || softmax(s2 Q2 K2^T)) per query row.
 //
 // Grid: (cdiv(Nq, BM), H, B * splits), BM = 64 * NWG query rows per CTA; x runs the row tiles
-// from the last to the first, so under causal masking the longest CTAs start first. Split-K
+// from the last to the first, so under causal masking the longest CTAs start first. Packed
+// sequences (cu != null): B is the number of sequences, Nq of the grid the longest one; a CTA
+// works inside sequence b (Span) and one whose row tile lies past that sequence's end exits
+// before any load. Rows of its last tile past the end read the next sequence's queries and are
+// never written; keys past the end are masked like the ragged last tile of a dense row. Split-K
 // (splits > 1, when the row tiles alone would leave SMs idle: decode, few query rows): split s of
 // z = b * splits + s runs its share of the row tile's key tiles and writes the rows' merged
 // states to part; kl_combine (at the end of this file) merges them.
@@ -80,6 +84,14 @@
 #ifndef ABLATE
 #define ABLATE 0
 #endif
+// POLY1 / POLY2: of the BN / 8 column pairs of a thread's row, how many take ex2_poly (the FMA
+// pipe) instead of ex2 (MUFU) on the fast side of the S1 / S2 update; the exact side keeps ex2.
+#ifndef POLY1
+#define POLY1 0
+#endif
+#ifndef POLY2
+#define POLY2 0
+#endif
 // ABLATE (measurement only, for docs/cuda.md's ablations; the results are wrong): 1 runs no
 // exponential (e = t), 2 issues no S2 GEMM.
 #if ABLATE == 1
@@ -90,6 +102,8 @@ static_assert(D1P == 64 || D1P == 128, "D1P: 64 or 128");
 static_assert(D2P == 64 || D2P == 128, "D2P: 64 or 128");
 static_assert(BN == 64 || BN == 128, "BN: 64 or 128");
 static_assert(NWG >= 1 && NWG <= 3, "NWG: 1 to 3 consumer warpgroups");
+static_assert(POLY1 >= 0 && POLY2 >= 0 && (BN / 8) % (POLY1 ? POLY1 : 1) == 0 && (BN / 8) % (POLY2 ? POLY2 : 1) == 0,
+              "POLY1, POLY2: divisors of BN / 8");
 static_assert(!PINGPONG || (WS && NWG >= 2), "ping-pong needs a producer and two consumers");
 
 constexpr int BM = 64 * NWG;
@@ -120,7 +134,8 @@ struct Params {
   float* lse1;
   float* lse2;
   float* part;  // splits > 1: [splits][rows][PART] partial row states, for kl_combine
-  int h, nq, nk, g1, g2, m_tiles, causal, splits, rows;  // rows = B * H * Nq
+  const int* cu;  // packed sequences: B + 1 offsets into the one packed batch (else null)
+  int h, nq, nk, g1, g2, m_tiles, causal, splits, rows;  // rows = B * H * Nq (the tensors')
   float c1, c2;  // scale * log2(e)
 };
 
@@ -129,30 +144,39 @@ static_assert(sizeof(Params) == 640, "PARAMS_BYTES in _launch.py packs this layo
 // A row's state after its four threads merge: M1, L1, M2, L2, AA, AB (log2 units).
 constexpr int PART = 6;
 
-KL_DEV void load_q(const Params& p, unsigned base, unsigned bar, int m0, int h, int b) {
+// The problem one CTA's rows belong to: queries [row0, row0 + nq) and keys [row0, row0 + nk) of
+// batch bq of the tensor maps, its row r written at out0 + r. Dense: batch b. Packed sequences:
+// sequence b of the one packed batch (nq = nk = its length).
+struct Span {
+  int nq, nk, row0, bq;
+  long long out0;
+};
+
+// Query rows [q0, q0 + BM) of head h, batch b.
+KL_DEV void load_q(const Params& p, unsigned base, unsigned bar, int q0, int h, int b) {
   mbar_expect_tx(bar, NWG * (Q1_WG + Q2_WG));
 #pragma unroll
   for (int c = 0; c < NWG; ++c) {
 #pragma unroll
     for (int s = 0; s < D1P / 64; ++s)
-      tma_load_4d(base + OFF_Q1 + c * Q1_WG + s * SLAB, &p.q1, 64 * s, m0 + 64 * c, h, b, bar);
+      tma_load_4d(base + OFF_Q1 + c * Q1_WG + s * SLAB, &p.q1, 64 * s, q0 + 64 * c, h, b, bar);
 #pragma unroll
     for (int s = 0; s < D2P / 64; ++s)
-      tma_load_4d(base + OFF_Q2 + c * Q2_WG + s * SLAB, &p.q2, 64 * s, m0 + 64 * c, h, b, bar);
+      tma_load_4d(base + OFF_Q2 + c * Q2_WG + s * SLAB, &p.q2, 64 * s, q0 + 64 * c, h, b, bar);
   }
 }
 
-// Key tile t into the stage of the CTA's i-th load.
-KL_DEV void load_k(const Params& p, unsigned base, unsigned full, int t, int i, int h1, int h2, int b) {
+// Key tile t (rows k0 + t BN onwards) into the stage of the CTA's i-th load.
+KL_DEV void load_k(const Params& p, unsigned base, unsigned full, int k0, int t, int i, int h1, int h2, int b) {
   const int stage = i % STAGES;
   const unsigned bar = full + 8 * stage;
   mbar_expect_tx(bar, K1_ST + K2_ST);
 #pragma unroll
   for (int s = 0; s < D1P / 64; ++s)
-    tma_load_4d(base + OFF_K1 + stage * K1_ST + s * (BN * 128), &p.k1, 64 * s, t * BN, h1, b, bar);
+    tma_load_4d(base + OFF_K1 + stage * K1_ST + s * (BN * 128), &p.k1, 64 * s, k0 + t * BN, h1, b, bar);
 #pragma unroll
   for (int s = 0; s < D2P / 64; ++s)
-    tma_load_4d(base + OFF_K2 + stage * K2_ST + s * (BN * 128), &p.k2, 64 * s, t * BN, h2, b, bar);
+    tma_load_4d(base + OFF_K2 + stage * K2_ST + s * (BN * 128), &p.k2, 64 * s, k0 + t * BN, h2, b, bar);
 }
 
 // S (64 x BN) = Q (64 x DP, descriptor dq) . K^T (BN x DP, descriptor dk), as DP / 16 wgmma
@@ -216,10 +240,14 @@ KL_DEV float row_max(const float* s, int i, float c, int lim) {
 }
 
 // The exponentials 2^(c s - m) (nm = -m) of a thread's columns 8 j and 8 j + 1 of row i, zero on
-// invalid keys (MASK: visible iff 8 j + k < lim).
-template <bool MASK>
+// invalid keys (MASK: visible iff 8 j + k < lim); POLY of every BN / 8 pairs on the FMA pipe.
+template <bool MASK, int POLY = 0>
 KL_DEV void exp_pair(const float* s, int i, int j, float c, float nm, int lim, float& ex, float& ey) {
-  ex = ex2(fmaf(s[KL_IDX(j, i, 0)], c, nm)), ey = ex2(fmaf(s[KL_IDX(j, i, 1)], c, nm));
+  const float x = fmaf(s[KL_IDX(j, i, 0)], c, nm), y = fmaf(s[KL_IDX(j, i, 1)], c, nm);
+  if (POLY > 0 && j % (BN / 8 / (POLY > 0 ? POLY : 1)) == 0)
+    ex = ex2_poly(x), ey = ex2_poly(y);
+  else
+    ex = ex2(x), ey = ex2(y);
   if (MASK) {
     ex = 8 * j < lim ? ex : 0.f;
     ey = 8 * j + 1 < lim ? ey : 0.f;
@@ -296,7 +324,7 @@ KL_DEV void row1_lagged(float* s1, Row& r, float c1, int lim, int i, bool first)
     for (int j = 0; j < BN / 8; ++j) {
       const int x = KL_IDX(j, i, 0), y = KL_IDX(j, i, 1);
       float ex, ey;
-      exp_pair<MASK>(s1, i, j, c1, nm, lim, ex, ey);
+      exp_pair<MASK, POLY1>(s1, i, j, c1, nm, lim, ex, ey);
       l0 += ex, l1 += ey;
       a0 = fmaf(ex, s1[x], a0), a1 = fmaf(ey, s1[y], a1);
       e[2 * j] = ex, e[2 * j + 1] = ey;
@@ -323,7 +351,7 @@ KL_DEV void row2_lagged(const float* s1, const float* s2, Row& r, float c2, int 
     for (int j = 0; j < BN / 8; ++j) {
       const int x = KL_IDX(j, i, 0), y = KL_IDX(j, i, 1);
       float ex, ey;
-      exp_pair<MASK>(s2, i, j, c2, nm, lim, ex, ey);
+      exp_pair<MASK, POLY2>(s2, i, j, c2, nm, lim, ex, ey);
       sums[0] += ex, sums[1] += ey;
       sums[2] = fmaf(s1[x], s2[x], sums[2]), sums[3] = fmaf(s1[y], s2[y], sums[3]);
     }
@@ -372,7 +400,7 @@ KL_DEV void write_row(const Params& p, long long o, float M1, float L1, float M2
 
 // Merges the four threads of each row (log-sum-exp of their partial states) and writes the row,
 // or with splits > 1 its state, as part `split` of the row, for kl_combine.
-KL_DEV void finish(const Params& p, const Row* r, const int* rows, int lane, long long out0, int split) {
+KL_DEV void finish(const Params& p, const Row* r, const int* rows, int nq, int lane, long long out0, int split) {
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     const float M1 = quad_max(r[i].m1), M2 = quad_max(r[i].m2);
@@ -380,7 +408,7 @@ KL_DEV void finish(const Params& p, const Row* r, const int* rows, int lane, lon
     const float w1 = ex2(r[i].m1 - M1u), w2 = ex2(r[i].m2 - M2u);
     const float L1 = quad_sum(r[i].l1 * w1), L2 = quad_sum(r[i].l2 * w2);
     const float AA = quad_sum(r[i].aa * w1), AB = quad_sum(r[i].ab * w1);
-    if ((lane & 3) == 0 && rows[i] < p.nq) {
+    if ((lane & 3) == 0 && rows[i] < nq) {
       const long long o = out0 + rows[i];
       if (p.splits > 1) {
         float* q = p.part + ((long long)split * p.rows + o) * PART;
@@ -393,20 +421,20 @@ KL_DEV void finish(const Params& p, const Row* r, const int* rows, int lane, lon
 }
 
 // Runs key tiles [t0, t0 + n) of its rows (all of them: n_tiles, split 0, without split-K).
-KL_DEV void consume(const Params& p, int c, int tid, unsigned base, int m0, int t0, int n, int h1, int h2,
-                    int b, long long out0, int split) {
+KL_DEV void consume(const Params& p, const Span& sp, int c, int tid, unsigned base, int m0, int t0, int n, int h1,
+                    int h2, int split) {
   const unsigned bar_q = base + OFF_BAR, full = bar_q + 8, empty = full + 8 * STAGES;
   const int warp = tid / 32, lane = tid % 32;
   const int r0 = m0 + 64 * c;  // this warpgroup's first row
-  const int diag = p.nk - p.nq;  // bottom-right causal: row i sees keys j <= i + diag
+  const int diag = sp.nk - sp.nq;  // bottom-right causal: row i sees keys j <= i + diag
   int rows[2], lim[2];
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     rows[i] = r0 + 16 * warp + lane / 4 + 8 * i;
-    lim[i] = p.causal ? min(p.nk, rows[i] + diag + 1) : p.nk;
+    lim[i] = p.causal ? min(sp.nk, rows[i] + diag + 1) : sp.nk;
   }
   // Tiles [0, n_full) are visible to every row of the warpgroup; the rest are masked.
-  const int full_end = p.causal ? min(p.nk, r0 + diag + 1) : p.nk;
+  const int full_end = p.causal ? min(sp.nk, r0 + diag + 1) : sp.nk;
   const int n_full = full_end > 0 ? full_end / BN : 0;
   Row r[2];
 #pragma unroll
@@ -418,7 +446,7 @@ KL_DEV void consume(const Params& p, int c, int tid, unsigned base, int m0, int 
 #if PINGPONG
   if (c == NWG - 1 && n > 0) named_arrive(1, 256);  // the first turn is warpgroup 0's
 #endif
-  if (r0 >= p.nq) {  // every row past Nq (decode): only the barrier duties, no GEMM, no update
+  if (r0 >= sp.nq) {  // every row past Nq (decode): only the barrier duties, no GEMM, no update
     for (int i = 0; i < n; ++i) {
       mbar_wait(full + 8 * (i % STAGES), (i / STAGES) & 1);
 #if PINGPONG
@@ -464,7 +492,7 @@ KL_DEV void consume(const Params& p, int c, int tid, unsigned base, int m0, int 
 #if !WS
     if (c == 0 && tid == 0 && i + STAGES < n) {
       mbar_wait(empty + 8 * stage, phase);
-      load_k(p, base, full, t + STAGES, i + STAGES, h1, h2, b);
+      load_k(p, base, full, sp.row0, t + STAGES, i + STAGES, h1, h2, sp.bq);
     }
     __syncwarp();  // warp 0 reconverges before its next wgmma (.sync.aligned)
 #endif
@@ -474,7 +502,7 @@ KL_DEV void consume(const Params& p, int c, int tid, unsigned base, int m0, int 
       update2<false>(s1, s2, r, p.c2, rel, i == 0);
     __syncwarp();  // and before the next tile's bar.sync and wgmma
   }
-  finish(p, r, rows, lane, out0, split);
+  finish(p, r, rows, sp.nq, lane, sp.out0, split);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1) kl_fwd(const __grid_constant__ Params p) {
@@ -484,13 +512,18 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kl_fwd(const __grid_con
   const int mt = p.m_tiles - 1 - (int)blockIdx.x, h = blockIdx.y;
   const int b = blockIdx.z / p.splits, split = blockIdx.z % p.splits;
   const int m0 = mt * BM;
-  const int hi = p.causal ? min(p.nk, m0 + BM + p.nk - p.nq) : p.nk;  // keys this CTA sees
+  Span sp{p.nq, p.nk, 0, b, ((long long)b * p.h + h) * p.nq};
+  if (p.cu != nullptr) {
+    const int s0 = p.cu[b], len = p.cu[b + 1] - s0;
+    sp = Span{len, len, s0, 0, (long long)h * p.nq + s0};
+  }
+  if (m0 >= sp.nq) return;  // a row tile past its packed sequence's end: no rows, no loads
+  const int hi = p.causal ? min(sp.nk, m0 + BM + sp.nk - sp.nq) : sp.nk;  // keys this CTA sees
   const int n_tiles = hi > 0 ? (hi + BN - 1) / BN : 0;
   // Split-K: split s runs key tiles [t0, t0 + n) of the row tile's n_tiles.
   const int per = (n_tiles + p.splits - 1) / p.splits;
   const int t0 = min(n_tiles, split * per), n = min(n_tiles, t0 + per) - t0;
   const int h1 = h / p.g1, h2 = h / p.g2;
-  const long long out0 = ((long long)b * p.h + h) * p.nq;
   const int tid = threadIdx.x;
   unsigned dyn_smem;
   asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_smem));
@@ -512,10 +545,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kl_fwd(const __grid_con
   if (tid < 128) {
     regs_dec<REG_PROD>();
     if (tid == 0) {
-      load_q(p, base, bar_q, m0, h, b);
+      load_q(p, base, bar_q, sp.row0 + m0, h, sp.bq);
       for (int i = 0; i < n; ++i) {
         mbar_wait(empty + 8 * (i % STAGES), ((i / STAGES) & 1) ^ 1);
-        load_k(p, base, full, t0 + i, i, h1, h2, b);
+        load_k(p, base, full, sp.row0, t0 + i, i, h1, h2, sp.bq);
       }
     }
     return;
@@ -523,13 +556,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kl_fwd(const __grid_con
   regs_inc<REG_CONS>();
   // Read through a shuffle, the warpgroup index is warp-uniform to the compiler, so the
   // descriptors built from it stay in uniform registers.
-  consume(p, __shfl_sync(0xffffffffu, tid / 128, 0) - 1, tid % 128, base, m0, t0, n, h1, h2, b, out0, split);
+  consume(p, sp, __shfl_sync(0xffffffffu, tid / 128, 0) - 1, tid % 128, base, m0, t0, n, h1, h2, split);
 #else
   if (tid == 0) {
-    load_q(p, base, bar_q, m0, h, b);
-    for (int i = 0; i < n && i < STAGES; ++i) load_k(p, base, full, t0 + i, i, h1, h2, b);
+    load_q(p, base, bar_q, sp.row0 + m0, h, sp.bq);
+    for (int i = 0; i < n && i < STAGES; ++i) load_k(p, base, full, sp.row0, t0 + i, i, h1, h2, sp.bq);
   }
-  consume(p, tid / 128, tid % 128, base, m0, t0, n, h1, h2, b, out0, split);
+  consume(p, sp, tid / 128, tid % 128, base, m0, t0, n, h1, h2, split);
 #endif
 }
 
