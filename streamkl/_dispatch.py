@@ -31,13 +31,15 @@ def backward_of(backend):
     return backend if name is None else module(name)
 
 
-def in_auto(name: str) -> bool:
-    """Whether `auto` may take backend `name`: a backend sets AUTO = False while it is slower
-    than the next one, or unmeasured, on part of what it supports (it still runs when named)."""
+def auto_declines(name: str, q1, k1, q2, k2, cu_seqlens=None) -> str | None:
+    """Why `auto` passes backend `name` by on inputs it supports, or None: a backend that is
+    measured slower than the next one on part of what it runs says where in `auto_declines`
+    (it still runs those inputs when named)."""
     try:
-        return getattr(module(name), "AUTO", True)
+        declines = getattr(module(name), "auto_declines", None)
     except ImportError:  # a backend package missing from this install: why_not says so
-        return True
+        return None
+    return None if declines is None else declines(q1, k1, q2, k2, cu_seqlens)
 
 
 def why_not(name: str, q1, k1, q2, k2, cu_seqlens=None) -> str | None:
@@ -70,16 +72,22 @@ def check_name(backend: str | None) -> str:
     return backend
 
 
+def first_for_auto(q1, k1, q2, k2, cu_seqlens=None):
+    """The first backend in BACKENDS that runs these inputs and does not decline them."""
+    inputs = (q1, k1, q2, k2, cu_seqlens)
+    for name in BACKENDS:
+        if why_not(name, *inputs) is None and auto_declines(name, *inputs) is None:
+            return module(name)
+    raise AssertionError("the reference backend runs every validated input")
+
+
 def select(q1, k1, q2, k2, cu_seqlens=None, backend: str | None = None):
     """The backend module to run; `backend` overrides STREAMKL_BACKEND."""
     name = check_name(backend)
     if name == "auto":
         if q1.device.type == "cpu":  # triton runs CPU tensors only in its (slow) interpreter
             return module("reference")
-        for candidate in BACKENDS:
-            if in_auto(candidate) and why_not(candidate, q1, k1, q2, k2, cu_seqlens) is None:
-                return module(candidate)
-        raise AssertionError("the reference backend runs every validated input")
+        return first_for_auto(q1, k1, q2, k2, cu_seqlens)
     reason = why_not(name, q1, k1, q2, k2, cu_seqlens)
     if reason is not None:
         able = [n for n, r in available_backends(q1, k1, q2, k2, cu_seqlens).items() if r is None]

@@ -160,15 +160,21 @@ def test_forward_mode_ad_is_refused_not_dropped():
             streamkl.attn_kl(q1, k1, dual, k2)
 
 
-def test_auto_passes_by_a_backend_with_auto_off(monkeypatch):
+def test_auto_passes_by_a_backend_where_it_declines(monkeypatch):
+    """cuda declines decode shapes (few query rows), where triton is measured faster: auto takes
+    triton there and cuda elsewhere; named, cuda runs both."""
     from streamkl import _dispatch
 
-    cuda = _dispatch.module("cuda")
-    inputs = make_inputs(h=2, nq=4, nk=4)
+    cuda, triton = _dispatch.module("cuda"), _dispatch.module("triton")
     monkeypatch.setattr(cuda, "supports", lambda *args, **kwargs: None)
-    monkeypatch.setattr(cuda, "AUTO", False)
-    assert _dispatch.select(*inputs, None, "cuda") is cuda
-    assert _dispatch.in_auto("cuda") is False and _dispatch.in_auto("triton") is True
+    monkeypatch.setattr(triton, "supports", lambda *args, **kwargs: None)
+    rows = cuda.AUTO_MIN_QUERY_ROWS
+    decode, prefill = make_inputs(h=2, nq=rows, nk=64), make_inputs(h=2, nq=rows + 1, nk=64)
+    for inputs, auto in ((decode, triton), (prefill, cuda)):
+        assert (_dispatch.auto_declines("cuda", *inputs) is None) == (auto is cuda)
+        assert _dispatch.auto_declines("triton", *inputs) is None
+        assert _dispatch.first_for_auto(*inputs, None) is auto
+        assert _dispatch.select(*inputs, None, "cuda") is cuda
 
 
 def _counted(calls, fn):

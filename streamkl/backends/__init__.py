@@ -19,8 +19,9 @@ A backend whose backward does not exist yet sets `BACKWARD = "<name>"`: the op l
 that backend's `backward` on its forward's (kl, lse1, lse2), so `supports` must admit only
 inputs the named backend runs too.
 
-A backend that is slower than the next one in streamkl._dispatch.BACKENDS, or unmeasured, on
-part of what it supports sets `AUTO = False`: it runs when named, and `auto` passes it by.
+A backend that is slower than the next one in streamkl._dispatch.BACKENDS on part of what it
+supports defines `auto_declines(q1, k1, q2, k2, cu_seqlens) -> str | None`, saying where: there
+it runs when named, and `auto` passes it by.
 
 A new backend is such a package plus one line in streamkl._dispatch.BACKENDS; tests/test_backends.py
 then runs the whole contract (docs/contract.md) on it, on every device its `supports` accepts.

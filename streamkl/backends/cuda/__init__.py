@@ -10,9 +10,9 @@ import functools
 import torch
 
 BACKWARD = "triton"  # no CUDA backward yet: the op runs triton's on this forward's statistics
-# Out of auto although faster at the benchmark shapes: at 1-16 query rows against long keys its
-# split-K still trails triton's, and its host cost per call is higher (docs/cuda.md).
-AUTO = False
+# At this many query rows or fewer (decode) triton's split-K reads the keys about 10% faster
+# (docs/cuda.md, Dispatch); from 64 rows on this kernel is 1.35x-1.6x triton's.
+AUTO_MIN_QUERY_ROWS = 16
 
 _DTYPES = (torch.bfloat16, torch.float16)
 _MAX_GRID_YZ = 65535  # heads ride on grid y, the batch on grid z
@@ -61,6 +61,12 @@ def supports(q1, k1, q2, k2, cu_seqlens=None) -> str | None:
         reason = tma_reason(t, name)
         if reason is not None:
             return reason
+    return None
+
+
+def auto_declines(q1, k1, q2, k2, cu_seqlens=None) -> str | None:
+    if cu_seqlens is None and q1.shape[2] <= AUTO_MIN_QUERY_ROWS:
+        return f"at {AUTO_MIN_QUERY_ROWS} query rows or fewer triton's split-K is measured faster"
     return None
 
 
