@@ -34,13 +34,9 @@ VARIANTS = {
     "x-noexp": dict(NWG=2, BN=128, STAGES=2, WS=1, PINGPONG=1, ABLATE=1),
     "x-onegemm": dict(NWG=2, BN=128, STAGES=2, WS=1, PINGPONG=1, ABLATE=2),
     "x-1stage": dict(NWG=2, BN=128, STAGES=1, WS=1, PINGPONG=1),
-    "p-poly2": dict(NWG=2, BN=128, STAGES=2, WS=1, PINGPONG=1, POLY2=2),
-    "p-poly4": dict(NWG=2, BN=128, STAGES=2, WS=1, PINGPONG=1, POLY2=4),
-    "p-poly8": dict(NWG=2, BN=128, STAGES=2, WS=1, PINGPONG=1, POLY2=8),
-    "p-poly4x4": dict(NWG=2, BN=128, STAGES=2, WS=1, PINGPONG=1, POLY1=4, POLY2=4),
 }
 ABLATIONS = tuple(v for v in VARIANTS if v.startswith("x-"))
-TIMED_AT_D64 = ("c-pingpong2", "p-poly4", "p-poly8", "p-poly4x4", *ABLATIONS)
+TIMED_AT_D64 = ("c-pingpong2", *ABLATIONS)
 # (b, h, hk1, hk2, nq, nk, d1, d2, layout, causal, dtype[, dict(std=, scale1=, scale2=, lengths=)]):
 # std scales the random inputs (std 50 at D = 128: |S * scale| up to ~1e4), the scales default to
 # 1 / sqrt(d); lengths packs sequences of those lengths (cu_seqlens; nq = nk = their sum).

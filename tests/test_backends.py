@@ -82,7 +82,7 @@ def _views(b, h, n, d1, d2, dtype, device, kind, seed):
 def _refused(name, inputs, cu_seqlens=None) -> bool:
     """Whether backend `name` refuses these inputs. The reference and triton run every
     validated input; a backend that does not (cuda: layouts TMA cannot address, head dims over
-    128, packed sequences) says why in `supports`, naming it explicitly raises that reason, and
+    128, float32) says why in `supports`, naming it explicitly raises that reason, and
     auto takes the next backend. The suite holds such a backend to the contract on the inputs
     it admits."""
     reason = _dispatch.why_not(name, *inputs, cu_seqlens)

@@ -84,14 +84,6 @@
 #ifndef ABLATE
 #define ABLATE 0
 #endif
-// POLY1 / POLY2: of the BN / 8 column pairs of a thread's row, how many take ex2_poly (the FMA
-// pipe) instead of ex2 (MUFU) on the fast side of the S1 / S2 update; the exact side keeps ex2.
-#ifndef POLY1
-#define POLY1 0
-#endif
-#ifndef POLY2
-#define POLY2 0
-#endif
 // ABLATE (measurement only, for docs/cuda.md's ablations; the results are wrong): 1 runs no
 // exponential (e = t), 2 issues no S2 GEMM.
 #if ABLATE == 1
@@ -102,8 +94,6 @@ static_assert(D1P == 64 || D1P == 128, "D1P: 64 or 128");
 static_assert(D2P == 64 || D2P == 128, "D2P: 64 or 128");
 static_assert(BN == 64 || BN == 128, "BN: 64 or 128");
 static_assert(NWG >= 1 && NWG <= 3, "NWG: 1 to 3 consumer warpgroups");
-static_assert(POLY1 >= 0 && POLY2 >= 0 && (BN / 8) % (POLY1 ? POLY1 : 1) == 0 && (BN / 8) % (POLY2 ? POLY2 : 1) == 0,
-              "POLY1, POLY2: divisors of BN / 8");
 static_assert(!PINGPONG || (WS && NWG >= 2), "ping-pong needs a producer and two consumers");
 
 constexpr int BM = 64 * NWG;
@@ -240,14 +230,10 @@ KL_DEV float row_max(const float* s, int i, float c, int lim) {
 }
 
 // The exponentials 2^(c s - m) (nm = -m) of a thread's columns 8 j and 8 j + 1 of row i, zero on
-// invalid keys (MASK: visible iff 8 j + k < lim); POLY of every BN / 8 pairs on the FMA pipe.
-template <bool MASK, int POLY = 0>
+// invalid keys (MASK: visible iff 8 j + k < lim).
+template <bool MASK>
 KL_DEV void exp_pair(const float* s, int i, int j, float c, float nm, int lim, float& ex, float& ey) {
-  const float x = fmaf(s[KL_IDX(j, i, 0)], c, nm), y = fmaf(s[KL_IDX(j, i, 1)], c, nm);
-  if (POLY > 0 && j % (BN / 8 / (POLY > 0 ? POLY : 1)) == 0)
-    ex = ex2_poly(x), ey = ex2_poly(y);
-  else
-    ex = ex2(x), ey = ex2(y);
+  ex = ex2(fmaf(s[KL_IDX(j, i, 0)], c, nm)), ey = ex2(fmaf(s[KL_IDX(j, i, 1)], c, nm));
   if (MASK) {
     ex = 8 * j < lim ? ex : 0.f;
     ey = 8 * j + 1 < lim ? ey : 0.f;
@@ -324,7 +310,7 @@ KL_DEV void row1_lagged(float* s1, Row& r, float c1, int lim, int i, bool first)
     for (int j = 0; j < BN / 8; ++j) {
       const int x = KL_IDX(j, i, 0), y = KL_IDX(j, i, 1);
       float ex, ey;
-      exp_pair<MASK, POLY1>(s1, i, j, c1, nm, lim, ex, ey);
+      exp_pair<MASK>(s1, i, j, c1, nm, lim, ex, ey);
       l0 += ex, l1 += ey;
       a0 = fmaf(ex, s1[x], a0), a1 = fmaf(ey, s1[y], a1);
       e[2 * j] = ex, e[2 * j + 1] = ey;
@@ -351,7 +337,7 @@ KL_DEV void row2_lagged(const float* s1, const float* s2, Row& r, float c2, int 
     for (int j = 0; j < BN / 8; ++j) {
       const int x = KL_IDX(j, i, 0), y = KL_IDX(j, i, 1);
       float ex, ey;
-      exp_pair<MASK, POLY2>(s2, i, j, c2, nm, lim, ex, ey);
+      exp_pair<MASK>(s2, i, j, c2, nm, lim, ex, ey);
       sums[0] += ex, sums[1] += ey;
       sums[2] = fmaf(s1[x], s2[x], sums[2]), sums[3] = fmaf(s1[y], s2[y], sums[3]);
     }
