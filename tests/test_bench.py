@@ -295,3 +295,22 @@ def test_harness_lives_outside_the_package():
     assert not (ROOT / "streamkl" / "bench").exists()
     for path in (ROOT / "streamkl").rglob("*.py"):
         assert not re.search(r"^\s*(from|import)\s+benchmarks\b", path.read_text(), re.M), path
+
+
+def test_decode_forward_is_set_against_the_copy_bandwidth(smoke_run):
+    """The bytes a forward must move (inputs once, the KL written) over its time, against the run's
+    copy yardstick: a column of the decode forward table only, "—" where a run has no yardstick."""
+    case = Case(2, 4, 3, 1000, 64, 32, False, "bfloat16", hk1=2, hk2=1)
+    assert providers.attn_kl_bytes(case) == 2 * (2 * (4 * 3 * 96 + 1000 * (2 * 64 + 32))) + 4 * 2 * 4 * 3
+    _, data = smoke_run
+    data = copy.deepcopy(data)
+    assert data["runs"][0]["copy"] is None and "| — |" in report.markdown(data)  # CPU: no yardstick
+    data["runs"][0]["copy"] = {"bytes": 2**31, "ms": 1.0, "gbps": 4000.0}
+    decode = [r for r in data["records"] if r["sweep"] == "decode" and r["status"] == "ok"]
+    for r in decode:
+        r.update(bytes=2 * 10**9, ms=1.0)  # 2 TB/s against 4 TB/s
+    text = report.markdown(data)
+    section = text[text.index("## Sweep `decode`") :]
+    forward, train = section.split("### training")[:2]
+    assert "% of copy" in forward and "| 50% |" in forward and "% of copy" not in train
+    assert "% of copy" not in text[text.index("## Sweep `n`") : text.index("## Sweep `decode`")]
