@@ -48,7 +48,7 @@ def triton_interpret() -> bool:
 
 def triton_split_k() -> int | None:
     """STREAMKL_TRITON_SPLIT_K: auto (default: the measured rule) | off | N (force N key splits
-    in the triton forward; 1 and off mean no split)."""
+    in the triton forward and the backward's dq kernel; 1 and off mean no split)."""
     value = _read("STREAMKL_TRITON_SPLIT_K", "auto")
     if value == "auto":
         return None

@@ -266,11 +266,15 @@ def test_varlen(causal, strategy):
     _check(q1, k1, q2, k2, causal=causal, cu_seqlens=cu, max_seqlen=18)
 
 
+@pytest.mark.parametrize("bwd", ["separate", "fused"])
 @pytest.mark.parametrize(
     "nq,nk,causal,splits",
     [(1, 48, False, "3"), (5, 47, True, "4"), (20, 40, False, "2"), (3, 48, True, "64")],
 )
-def test_split_k(nq, nk, causal, splits, monkeypatch):
+def test_split_k(nq, nk, causal, splits, bwd, monkeypatch):
+    """The forward, and the separate backward's dq launch, split over the keys: all four
+    gradients against the oracle, the KL equal to the unsplit one."""
+    monkeypatch.setenv("STREAMKL_TRITON_BWD", bwd)
     monkeypatch.setenv("STREAMKL_TRITON_SPLIT_K", splits)
     q1, k1, q2, k2 = make_inputs(b=2, h=2, hk1=1, hk2=2, nq=nq, nk=nk, d1=16, d2=32, device=DEVICE, seed=nq)
     _check(q1, k1, q2, k2, causal=causal)
@@ -298,7 +302,25 @@ def test_no_keys_at_all():
     assert all((t == 0).all() for t in grads)
 
 
+def test_backward_splits_dq_only_for_few_query_rows():
+    """The separate backward's dq launch follows the forward's split rule: decode-like grids (32
+    heads of 16 rows against 128K keys) split the keys, a full grid (8K rows) does not; forced
+    counts win; packed sequences never split."""
+    from streamkl.backends.triton import _launch
+
+    plan = lambda rows, nk, varlen=False, forced=None: _launch.bwd_plan(
+        32, 128, 128, 1, 1, rows, nk, 1, torch.bfloat16, False, varlen, (False, False, True, True),
+        torch.device(DEVICE), "separate", None, forced,
+    )  # fmt: skip
+    decode = plan(16, 131072)
+    assert decode.dq_splits > 1 and decode.dq_grid[0] == decode.dq_splits
+    assert decode.dq_split_len * decode.dq_splits >= 131072 > decode.dq_split_len * (decode.dq_splits - 1)
+    assert plan(8192, 8192).dq_splits == 1 and plan(16, 131072, varlen=True).dq_splits == 1
+    assert plan(16, 131072, forced=1).dq_splits == 1 and plan(8192, 8192, forced=3).dq_splits == 3
+
+
 def test_split_k_rows_that_see_nothing(monkeypatch):
+    monkeypatch.setenv("STREAMKL_TRITON_BWD", "separate")
     monkeypatch.setenv("STREAMKL_TRITON_SPLIT_K", "3")
     q1, k1, q2, k2 = make_inputs(b=1, h=2, nq=20, nk=10, d1=16, d2=16, device=DEVICE, seed=4)
     _check(q1, k1, q2, k2, causal=True, needs=SETTING1)

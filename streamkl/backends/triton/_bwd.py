@@ -136,7 +136,7 @@ def _bwd_dq_inner(
     return dq1, dq2
 
 
-@triton.jit(do_not_specialize=["H", "NQ", "NK", "G1", "G2"])
+@triton.jit(do_not_specialize=["H", "NQ", "NK", "G1", "G2", "split_len", "n_rows"])
 def _bwd_dq_kernel(
     Q1,
     K1,
@@ -147,7 +147,7 @@ def _bwd_dq_kernel(
     LSE1,
     LSE2,  # [B, H, Nq] float32, contiguous
     DQ1,
-    DQ2,  # [B, H, Nq, D1], [B, H, Nq, D2] contiguous, input dtype
+    DQ2,  # [B, H, Nq, D1], [B, H, Nq, D2] contiguous, input dtype; SPLIT: [n_splits, ...] float32
     CU,  # [num_seqs + 1] int32 when VARLEN
     sq1b,
     sq1h,
@@ -174,6 +174,9 @@ def _bwd_dq_kernel(
     c2,
     scale1,
     scale2,
+    split_len,
+    n_splits,
+    n_rows,
     D1: tl.constexpr,
     D2: tl.constexpr,
     D1P: tl.constexpr,
@@ -182,20 +185,28 @@ def _bwd_dq_kernel(
     BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr,
     VARLEN: tl.constexpr,
+    SPLIT: tl.constexpr,
     DQ1_ON: tl.constexpr,
     DQ2_ON: tl.constexpr,
     PREC: tl.constexpr,
     ABLATE: tl.constexpr,  # timing variants only (Cfg.ablate); 0 in every shipped launch
 ):
-    # grid: (cdiv(Nq, BLOCK_M), H, B or num_seqs). A program owns one [BLOCK_M, D] tile of
-    # queries of head h (q1, q2 and their row statistics, loaded once) and streams [BLOCK_N, D]
-    # tiles of k1 (head h // G1) and k2 (head h // G2) over the keys its rows see, unmasked tiles
-    # first, then the masked ones; logits are [BLOCK_M, BLOCK_N] and dq accumulates in registers.
-    # All warps share every step (no warp roles). Reads q, k, LSE1/LSE2, KL, G (and CU when
-    # VARLEN); writes the dq1 / dq2 rows of its tile (DQ1_ON / DQ2_ON).
-    pid_m = tl.program_id(0)
+    # grid: (cdiv(Nq, BLOCK_M) [* n_splits when SPLIT], H, B or num_seqs). A program owns one
+    # [BLOCK_M, D] tile of queries of head h (q1, q2 and their row statistics, loaded once) and
+    # streams [BLOCK_N, D] tiles of k1 (head h // G1) and k2 (head h // G2) over the keys its rows
+    # see, or with SPLIT over its split's key range, unmasked tiles first, then the masked ones;
+    # logits are [BLOCK_M, BLOCK_N] and dq accumulates in registers. All warps share every step
+    # (no warp roles). Reads q, k, LSE1/LSE2, KL, G (and CU when VARLEN); writes the dq1 / dq2
+    # rows of its tile (DQ1_ON / DQ2_ON), with SPLIT its split's float32 share of them.
+    pid0 = tl.program_id(0)
     h = tl.program_id(1)
     z = tl.program_id(2)
+    if SPLIT:
+        split = pid0 % n_splits
+        pid_m = pid0 // n_splits
+    else:
+        split = pid0 * 0
+        pid_m = pid0
     b, seq0, q_len, k_len = sequence(CU, z, NQ, NK, VARLEN)
     start_m = pid_m * BLOCK_M
     if start_m >= q_len:
@@ -219,7 +230,11 @@ def _bwd_dq_kernel(
     L1, L2, c, g = _row_state(LSE1, LSE2, KLp, G, row, mmask)
 
     full_end, hi = key_range(start_m, k_len, diag, BLOCK_M, BLOCK_N, CAUSAL)
-    mid = tl.minimum(full_end, hi)
+    lo = 0
+    if SPLIT:
+        lo = split * split_len
+        hi = tl.minimum(hi, lo + split_len)
+    mid = tl.minimum(tl.maximum(full_end, lo), hi)
 
     dq1 = tl.zeros([BLOCK_M, D1P], tl.float32)
     dq2 = tl.zeros([BLOCK_M, D2P], tl.float32)
@@ -238,7 +253,7 @@ def _bwd_dq_kernel(
         sk1d,
         sk2n,
         sk2d,
-        0,
+        lo,
         mid,
         offs_m,
         k_len,
@@ -291,6 +306,9 @@ def _bwd_dq_kernel(
         PREC,
         ABLATE,
     )
+    if SPLIT:  # this split's share, rows of [n_splits, B * H * Nq, D] float32
+        DQ1 += split.to(tl.int64) * n_rows * D1
+        DQ2 += split.to(tl.int64) * n_rows * D2
     if DQ1_ON:
         ptrs = DQ1 + row[:, None] * D1 + offs_d1[None, :]
         tl.store(ptrs, (dq1 * scale1).to(DQ1.dtype.element_ty), mask=mmask[:, None] & (offs_d1[None, :] < D1))

@@ -274,6 +274,8 @@ class BwdPlan(NamedTuple):
     key_major: tuple[KeyMajorLaunch, ...]
     dq_grid: tuple[int, int, int] | None  # None: no dq launch
     dq_consts: dict | None  # _bwd_dq_kernel's constexprs and launch options
+    dq_splits: int  # key splits of the dq launch (1: none; else float32 shares, summed after)
+    dq_split_len: int  # keys per split
 
 
 @functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
@@ -293,10 +295,12 @@ def bwd_plan(
     device: torch.device,
     strategy: str,
     cfgs: tuple[Cfg | None, Cfg | None] | None,
+    forced_splits: int | None = None,
 ) -> BwdPlan:
     """The backward's launches. rows, zdim as in fwd_plan; nk: keys per grid slot; strategy:
     the value of STREAMKL_TRITON_BWD (_env.triton_bwd); cfgs: (dq, key-major) configs replacing
-    the table's where not None (benchmarks/triton_tune.py)."""
+    the table's where not None (benchmarks/triton_tune.py); forced_splits: as in fwd_plan, for
+    the dq launch, which splits the key axis by the forward's rule (few query-row tiles)."""
     need_dq1, need_dk1, need_dq2, need_dk2 = needs
     D1P, D2P = pow2_dim(D1), pow2_dim(D2)
     both = (need_dq1 or need_dk1) and (need_dq2 or need_dk2)
@@ -339,11 +343,20 @@ def bwd_plan(
             KeyMajorLaunch((triton.cdiv(nk, ck.block_n), H // gg, zdim), gg, do1, do2, f1, f2, consts)
         )
     dq_grid = dq_consts = None
+    splits, split_len = 1, nk
     if not fused and (need_dq1 or need_dq2):
-        dq_grid = (triton.cdiv(rows, cq.block_m), H, zdim)
+        m_tiles, nk_tiles = triton.cdiv(rows, cq.block_m), triton.cdiv(max(nk, 1), cq.block_n)
+        if not varlen:
+            ctas = zdim * H * m_tiles
+            splits = _config.split_count(ctas, nk_tiles, _num_sms(device), forced_splits, cq.block_m)
+        if splits > 1:  # each split covers a whole number of key tiles
+            split_len = triton.cdiv(nk_tiles, splits) * cq.block_n
+            splits = triton.cdiv(nk, split_len)
+        dq_grid = (m_tiles * splits, H, zdim)
         dq_consts = dict(
             BLOCK_M=cq.block_m,
             BLOCK_N=cq.block_n,
+            SPLIT=splits > 1,
             DQ1_ON=need_dq1,
             DQ2_ON=need_dq2,
             ABLATE=cq.ablate,
@@ -351,7 +364,7 @@ def bwd_plan(
             num_stages=cq.num_stages,
             **dims,
         )
-    return BwdPlan(fused, tuple(key_major), dq_grid, dq_consts)
+    return BwdPlan(fused, tuple(key_major), dq_grid, dq_consts, splits, split_len)
 
 
 def _dq_accumulator(dq: torch.Tensor) -> torch.Tensor:
@@ -413,6 +426,7 @@ def backward(
         q1.device,
         _env.triton_bwd(),
         cfgs,
+        None if varlen else _env.triton_split_k(),
     )
     cu = cu_seqlens if varlen else kl  # placeholder pointer when not varlen (never read)
     dummy = kl  # placeholder pointer of an output a launch does not write (never read)
@@ -461,6 +475,15 @@ def backward(
         if need_dq2 and dqa2 is not dq2:
             dq2.copy_(dqa2)
     if plan.dq_grid is not None:
+        n_rows = B * H * NQ
+        out1, out2 = dq1, dq2
+        if plan.dq_splits > 1:  # each split writes its float32 share; their sum is dq
+            out1, out2 = (
+                torch.empty((plan.dq_splits, *dq.shape), device=dq.device, dtype=torch.float32)
+                if dq is not None
+                else None
+                for dq in (dq1, dq2)
+            )
         args = (
             q1,
             k1,
@@ -470,8 +493,8 @@ def backward(
             kl,
             lse1,
             lse2,
-            dq1 if need_dq1 else dummy,
-            dq2 if need_dq2 else dummy,
+            out1 if need_dq1 else dummy,
+            out2 if need_dq2 else dummy,
             cu,
             *strides,
             H,
@@ -483,8 +506,15 @@ def backward(
             c2,
             s1,
             s2,
+            plan.dq_split_len,
+            plan.dq_splits,
+            n_rows,
         )
         _launch(_bwd_dq_kernel, plan.dq_grid, args, plan.dq_consts)
+        if plan.dq_splits > 1:
+            for dq, shares in ((dq1, out1), (dq2, out2)):
+                if shares is not None:
+                    dq.copy_(shares.sum(0))
     return out
 
 
