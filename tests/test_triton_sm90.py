@@ -140,16 +140,18 @@ def specializations():
                 cq, ck = _config.bwd_cfgs(dims["D1P"], dims["D2P"], _torch_dtype(dtype), causal, False, both)
                 common = dict(dims, CAUSAL=causal, VARLEN=False, PREC=prec, ABLATE=0)
                 on = (True, True) if both else (False, True)
-                out.append(
-                    (
-                        f"dq-{dtype}-{d1}x{d2}-causal{int(causal)}-both{int(both)}",
-                        _bwd._bwd_dq_kernel,
-                        dtype,
-                        dict(common, BLOCK_M=cq.block_m, BLOCK_N=cq.block_n, DQ1_ON=on[0], DQ2_ON=on[1]),
-                        cq.num_warps,
-                        cq.num_stages,
+                dq_on = dict(DQ1_ON=on[0], DQ2_ON=on[1])
+                for split in (False, True):
+                    out.append(
+                        (
+                            f"dq-{dtype}-{d1}x{d2}-causal{int(causal)}-both{int(both)}-split{int(split)}",
+                            _bwd._bwd_dq_kernel,
+                            dtype,
+                            dict(common, BLOCK_M=cq.block_m, BLOCK_N=cq.block_n, SPLIT=split, **dq_on),
+                            cq.num_warps,
+                            cq.num_stages,
+                        )
                     )
-                )
                 for fused in (False, True):
                     out.append(
                         (
@@ -250,7 +252,7 @@ def test_backward_ablations_remove_what_they_say():
 
     cq, ck = _config.bwd_cfgs(128, 128, torch.bfloat16, False, False, False)
     for kernel, cfg, on in (
-        (_bwd._bwd_dq_kernel, cq, dict(DQ1_ON=False, DQ2_ON=True)),
+        (_bwd._bwd_dq_kernel, cq, dict(SPLIT=False, DQ1_ON=False, DQ2_ON=True)),
         (_bwd._bwd_dk_kernel, ck, dict(DK1_ON=False, DK2_ON=True, FQ1=False, FQ2=False)),
     ):
         mma, ex2 = {}, {}
