@@ -24,7 +24,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._tiles import ds_student, ds_teacher, key_range, load_tile, sequence, visible
+from ._tiles import ds_student, ds_teacher, key_range, load_tile, sequence, split_keys, split_program, visible
 
 
 @triton.jit
@@ -198,15 +198,9 @@ def _bwd_dq_kernel(
     # logits are [BLOCK_M, BLOCK_N] and dq accumulates in registers. All warps share every step
     # (no warp roles). Reads q, k, LSE1/LSE2, KL, G (and CU when VARLEN); writes the dq1 / dq2
     # rows of its tile (DQ1_ON / DQ2_ON), with SPLIT its split's float32 share of them.
-    pid0 = tl.program_id(0)
+    pid_m, split = split_program(tl.program_id(0), n_splits, SPLIT)
     h = tl.program_id(1)
     z = tl.program_id(2)
-    if SPLIT:
-        split = pid0 % n_splits
-        pid_m = pid0 // n_splits
-    else:
-        split = pid0 * 0
-        pid_m = pid0
     b, seq0, q_len, k_len = sequence(CU, z, NQ, NK, VARLEN)
     start_m = pid_m * BLOCK_M
     if start_m >= q_len:
@@ -230,11 +224,7 @@ def _bwd_dq_kernel(
     L1, L2, c, g = _row_state(LSE1, LSE2, KLp, G, row, mmask)
 
     full_end, hi = key_range(start_m, k_len, diag, BLOCK_M, BLOCK_N, CAUSAL)
-    lo = 0
-    if SPLIT:
-        lo = split * split_len
-        hi = tl.minimum(hi, lo + split_len)
-    mid = tl.minimum(tl.maximum(full_end, lo), hi)
+    lo, mid, hi = split_keys(split, split_len, full_end, hi, SPLIT)
 
     dq1 = tl.zeros([BLOCK_M, D1P], tl.float32)
     dq2 = tl.zeros([BLOCK_M, D2P], tl.float32)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._tiles import key_range, load_tile, sequence, visible
+from ._tiles import key_range, load_tile, sequence, split_keys, split_program, visible
 
 
 @triton.jit
@@ -187,15 +187,9 @@ def _fwd_kernel(
     # the ragged last tile). All warps share every step (no warp roles). Reads q1, q2, k1, k2
     # (and CU when VARLEN); writes KL, LSE1, LSE2 of its rows, or with SPLIT their five partial
     # running scalars to PART for _merge_kernel.
-    pid0 = tl.program_id(0)
+    pid_m, split = split_program(tl.program_id(0), n_splits, SPLIT)
     h = tl.program_id(1)
     z = tl.program_id(2)
-    if SPLIT:
-        split = pid0 % n_splits
-        pid_m = pid0 // n_splits
-    else:
-        split = pid0 * 0
-        pid_m = pid0
     b, seq0, q_len, k_len = sequence(CU, z, NQ, NK, VARLEN)
     start_m = pid_m * BLOCK_M
     if start_m >= q_len:
@@ -214,11 +208,7 @@ def _fwd_kernel(
     q2 = load_tile(Q2, start_m, q_len, sq2n, sq2d, BLOCK_M, D2, D2P, True)
 
     full_end, hi = key_range(start_m, k_len, diag, BLOCK_M, BLOCK_N, CAUSAL)
-    lo = 0
-    if SPLIT:
-        lo = split * split_len
-        hi = tl.minimum(hi, lo + split_len)
-    mid = tl.minimum(tl.maximum(full_end, lo), hi)
+    lo, mid, hi = split_keys(split, split_len, full_end, hi, SPLIT)
 
     m1 = tl.full([BLOCK_M], float("-inf"), tl.float32)
     m2 = tl.full([BLOCK_M], float("-inf"), tl.float32)

@@ -81,6 +81,30 @@ def key_range(start_m, k_len, diag, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
 
 
 @triton.jit
+def split_program(pid0, n_splits, SPLIT: tl.constexpr):
+    """(query tile, key split) of program pid0 on axis 0: split-K grids run cdiv(Nq, BLOCK_M) *
+    n_splits programs there, split fastest."""
+    if SPLIT:
+        pid_m = pid0 // n_splits
+        split = pid0 % n_splits
+    else:
+        pid_m = pid0
+        split = pid0 * 0
+    return pid_m, split
+
+
+@triton.jit
+def split_keys(split, split_len, full_end, hi, SPLIT: tl.constexpr):
+    """(lo, mid, hi): the keys [lo, hi) a program walks, of the tile's [0, hi), with SPLIT only its
+    split's whole key tiles; [lo, mid) need no mask (mid: full_end clipped into the range)."""
+    lo = 0
+    if SPLIT:
+        lo = split * split_len
+        hi = tl.minimum(hi, lo + split_len)
+    return lo, tl.minimum(tl.maximum(full_end, lo), hi), hi
+
+
+@triton.jit
 def ds_student(g, p1, p2):
     """Setting 1 (teacher fixed): dS2 = g (P2 - P1)."""
     return g * (p2 - p1)
