@@ -390,11 +390,7 @@ def main(argv: list[str] | None = None) -> int:
     log = functools.partial(print, flush=True)
     log(f"benchmarks/bench.py on {env['device']}: sweeps {', '.join(s.name for s in sweeps)}; out {out}")
     data = Runner(device, providers, out, options, {"environment": env, "config": config}, log).run(sweeps)
-    try:
-        written = report.render(data, out, with_plots=not args.no_plots)
-    except ImportError as exc:  # matplotlib missing: the JSON and the tables are the record
-        log(f"no plots: {exc}")
-        written = report.render(data, out, with_plots=False)
+    written = report.render(data, out, with_plots=not args.no_plots)
     counts = dict(collections.Counter(r["status"] for r in data["records"]))
     paths = ", ".join(str(p) for p in [out / "results.json", *written])
     log(f"done in {data['runs'][0]['elapsed_s']} s: {counts}; wrote {paths}")
