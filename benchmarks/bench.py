@@ -289,7 +289,7 @@ class Runner:
         try:
             fields = self._time(case, prov, mode, inputs, g, reference)
         except torch.cuda.OutOfMemoryError as exc:
-            self.oom_at[key] = min(self.oom_at.get(key, case.logits), case.logits)
+            self.oom_at[key] = case.logits  # fewer than any before: larger cases were not run
             fields = {"status": "oom", "reason": str(exc).splitlines()[0][:300]}
         except Exception as exc:  # noqa: BLE001 - a failure is a result, the run goes on
             fields = {"status": "error", "reason": f"{type(exc).__name__}: {str(exc)[:1000]}"}
