@@ -47,10 +47,8 @@ STREAMKL_NAMES = tuple(f"streamkl-{name}" for name in streamkl.BACKENDS)
 Sweep = collections.namedtuple("Sweep", "name what cases providers modes", defaults=(None, ("fwd", "train")))
 
 
-def _sizes(text: str | None) -> list[int] | None:
-    """'4k,8k,1m' -> [4096, 8192, 1048576]."""
-    if not text:
-        return None
+def _sizes(text: str) -> list[int]:
+    """'4k,8k,1m' -> [4096, 8192, 1048576]: the type of the size flags."""
     unit = {"k": K, "m": K * K}
     return [int(float(t.rstrip("km")) * unit.get(t[-1], 1)) for t in text.lower().replace(" ", "").split(",")]
 
@@ -71,9 +69,9 @@ def build_sweeps(names: list[str], args) -> list[Sweep]:
         }
     else:
         full, causals = args.full, {"0": [False], "1": [True], "both": [False, True]}[args.causal]
-        ns = _sizes(args.sizes) or [s * K for s in [4, 8, 16, 32, *([64, 128, 256, 512] if full else [])]]
-        nqs = _sizes(args.decode_nq) or ([1, 2, 4, 8, 16, 32, 64, 128, 256] if full else [1, 16, 64, 256])
-        nks = _sizes(args.decode_nk) or [s * K for s in ([32, 64, 128] if full else [32, 128])]
+        ns = args.sizes or [s * K for s in [4, 8, 16, 32, *([64, 128, 256, 512] if full else [])]]
+        nqs = args.decode_nq or ([1, 2, 4, 8, 16, 32, 64, 128, 256] if full else [1, 16, 64, 256])
+        nks = args.decode_nk or [s * K for s in ([32, 64, 128] if full else [32, 128])]
         n_shapes, gqa = ns[0] if args.sizes else 8 * K, max(1, h // 4)
         shapes = {
             "D2=D/2": dict(d2=d // 2),
@@ -83,7 +81,7 @@ def build_sweeps(names: list[str], args) -> list[Sweep]:
             **({"MQA": dict(hk1=1, hk2=1)} if full else {}),
         }
         long_causals = causals if full or args.causal != "both" else [True]
-        longs = _sizes(args.long_sizes) or [128 * K, 512 * K, K * K]
+        longs = args.long_sizes or [128 * K, 512 * K, K * K]
         cases = {
             "n": [case(n, n, c) for c in causals for n in ns],
             "decode": [case(nq, nk, c) for c in causals for nk in nks for nq in nqs],
@@ -338,10 +336,10 @@ def parser() -> argparse.ArgumentParser:
     preset = p.add_mutually_exclusive_group()
     preset.add_argument("--full", action="store_true", help="every size (default: the quick sizes)")
     preset.add_argument("--smoke", action="store_true", help="every sweep in miniature on CPU (CI)")
-    p.add_argument("--sizes", help="N of the n sweep (and of shapes: its first), e.g. 4k,8k")
-    p.add_argument("--long-sizes", help="N of the long sweep, e.g. 128k,1m")
-    p.add_argument("--decode-nq", help="Nq of the decode sweep, e.g. 1,16,256")
-    p.add_argument("--decode-nk", help="Nk of the decode sweep, e.g. 32k,128k")
+    p.add_argument("--sizes", type=_sizes, help="N of the n sweep (and of shapes: its first), e.g. 4k,8k")
+    p.add_argument("--long-sizes", type=_sizes, help="N of the long sweep, e.g. 128k,1m")
+    p.add_argument("--decode-nq", type=_sizes, help="Nq of the decode sweep, e.g. 1,16,256")
+    p.add_argument("--decode-nk", type=_sizes, help="Nk of the decode sweep, e.g. 32k,128k")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--dim", type=int, default=128)
