@@ -13,14 +13,12 @@ import importlib.metadata
 import itertools
 import json
 import math
-import os
 import platform
 import re
 import subprocess
 import sys
 import time
 import traceback
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -29,10 +27,10 @@ from torch.utils.benchmark import Timer
 if __package__ in (None, ""):  # run as a script: the repository root holds the benchmarks package
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import streamkl  # noqa: E402
-from benchmarks import report  # noqa: E402
-from benchmarks.providers import Case, Provider, all_providers, attn_kl_bytes, attn_kl_flops  # noqa: E402
-from streamkl.testing import rel_err  # noqa: E402
+import streamkl
+from benchmarks import report
+from benchmarks.providers import Case, Provider, all_providers, attn_kl_bytes, attn_kl_flops, autograd_step
+from streamkl.testing import rel_err
 
 K = 1024
 SWEEPS = {  # name: what it varies
@@ -49,10 +47,8 @@ STREAMKL_NAMES = tuple(f"streamkl-{name}" for name in streamkl.BACKENDS)
 Sweep = collections.namedtuple("Sweep", "name what cases providers modes", defaults=(None, ("fwd", "train")))
 
 
-def _sizes(text: str | None) -> list[int] | None:
-    """'4k,8k,1m' -> [4096, 8192, 1048576]."""
-    if not text:
-        return None
+def _sizes(text: str) -> list[int]:
+    """'4k,8k,1m' -> [4096, 8192, 1048576]: the type of the size flags."""
     unit = {"k": K, "m": K * K}
     return [int(float(t.rstrip("km")) * unit.get(t[-1], 1)) for t in text.lower().replace(" ", "").split(",")]
 
@@ -73,9 +69,9 @@ def build_sweeps(names: list[str], args) -> list[Sweep]:
         }
     else:
         full, causals = args.full, {"0": [False], "1": [True], "both": [False, True]}[args.causal]
-        ns = _sizes(args.sizes) or [s * K for s in [4, 8, 16, 32, *([64, 128, 256, 512] if full else [])]]
-        nqs = _sizes(args.decode_nq) or ([1, 2, 4, 8, 16, 32, 64, 128, 256] if full else [1, 16, 64, 256])
-        nks = _sizes(args.decode_nk) or [s * K for s in ([32, 64, 128] if full else [32, 128])]
+        ns = args.sizes or [s * K for s in [4, 8, 16, 32, *([64, 128, 256, 512] if full else [])]]
+        nqs = args.decode_nq or ([1, 2, 4, 8, 16, 32, 64, 128, 256] if full else [1, 16, 64, 256])
+        nks = args.decode_nk or [s * K for s in ([32, 64, 128] if full else [32, 128])]
         n_shapes, gqa = ns[0] if args.sizes else 8 * K, max(1, h // 4)
         shapes = {
             "D2=D/2": dict(d2=d // 2),
@@ -85,23 +81,20 @@ def build_sweeps(names: list[str], args) -> list[Sweep]:
             **({"MQA": dict(hk1=1, hk2=1)} if full else {}),
         }
         long_causals = causals if full or args.causal != "both" else [True]
+        longs = args.long_sizes or [128 * K, 512 * K, K * K]
         cases = {
             "n": [case(n, n, c) for c in causals for n in ns],
             "decode": [case(nq, nk, c) for c in causals for nk in nks for nq in nqs],
             "shapes": [
                 case(n_shapes, n_shapes, c, label=k, **kw) for c in causals for k, kw in shapes.items()
             ],
-            "long": [
-                case(n, n, c)
-                for c in long_causals
-                for n in _sizes(args.long_sizes) or [128 * K, 512 * K, K * K]
-            ],
+            "long": [case(n, n, c) for c in long_causals for n in longs],
         }
     long = (STREAMKL_NAMES, ("fwd", "train") if args.full else ("train",))
     return [Sweep(name, SWEEPS[name], cases[name], *(long if name == "long" else ())) for name in names]
 
 
-@dataclass
+@dataclasses.dataclass
 class Options:
     warmup_ms: float = 25.0  # do_bench (CUDA)
     rep_ms: float = 100.0
@@ -135,20 +128,16 @@ def time_ms(fn, device: torch.device, opt: Options) -> tuple[float, str]:
     return m.median * 1e3, f"torch.utils.benchmark blocked_autorange, median of {len(m.times)} blocks"
 
 
-def gemm_yardstick(device: torch.device, size: int) -> dict | None:
+def gemm_yardstick(device: torch.device, size: int) -> dict:
     """The bf16 GEMM behind "% of GEMM", timed sustained (a second of warm-up settles the clock)."""
-    if device.type != "cuda":
-        return None
     a, b = (torch.randn(size, size, device=device, dtype=torch.bfloat16) for _ in range(2))
     ms, _ = time_ms(lambda: a @ b, device, Options(warmup_ms=1000, rep_ms=2000))
     return {"size": size, "dtype": "bfloat16", "ms": ms, "tflops": 2 * size**3 / ms / 1e9}
 
 
-def copy_yardstick(device: torch.device, size: int = 2**31) -> dict | None:
+def copy_yardstick(device: torch.device, size: int = 2**31) -> dict:
     """Device-to-device copy bandwidth (bytes read + written per second), the bound behind "% of
     copy" for memory-bound cases; timed sustained like the GEMM."""
-    if device.type != "cuda":
-        return None
     src = torch.empty(size, device=device, dtype=torch.uint8)
     dst = torch.empty_like(src)
     ms, _ = time_ms(lambda: dst.copy_(src), device, Options(warmup_ms=300, rep_ms=600))
@@ -207,16 +196,14 @@ class Reference:
         r = self.rows
         # float64 copies of the keys up to 8 GiB; beyond, the inputs' dtype (float32 accumulation)
         dtype = torch.float64 if (k1.numel() + k2.numel()) * 8 <= 2**33 else q1.dtype
+        kl_of = functools.partial(streamkl.attn_kl, causal=self.case.causal, backend="reference")
         try:
-            x = [t.detach().to(dtype) for t in (q1[:, :, -r:], k1, q2[:, :, -r:], k2)]
-            x[2].requires_grad_()
-            x[3].requires_grad_()
-            kl = streamkl.attn_kl(*x, causal=self.case.causal, backend="reference")
-            dq2, dk2 = torch.autograd.grad(kl, x[2:], self.g_check[..., -r:].to(kl.dtype))
+            x = [t.to(dtype) for t in (q1[:, :, -r:], k1, q2[:, :, -r:], k2)]
+            kl, dq2, dk2 = autograd_step(kl_of, *x, self.g_check[..., -r:])
         except Exception as exc:  # noqa: BLE001 - the measurements go on without their check
             return f"reference: {type(exc).__name__}: {str(exc)[:300]}"
         name = f"streamkl-reference in {str(dtype).replace('torch.', '')}, last {r} rows"
-        return name, kl.detach(), dq2, dk2
+        return name, kl, dq2, dk2
 
     def errors(self, out, mode: str) -> dict:
         """KL: max over the rows of |kl - ref| / max(1, |ref|); gradients: relative norm error."""
@@ -246,18 +233,19 @@ class Runner:
         self.out.mkdir(parents=True, exist_ok=True)
         tmp = self.out / "results.tmp"  # then renamed: a run killed mid-write keeps the last one
         tmp.write_text(json.dumps(self.data, indent=1))
-        os.replace(tmp, self.out / "results.json")
+        tmp.replace(self.out / "results.json")
 
     def run(self, sweeps: list[Sweep]) -> dict:
-        gemm = self.data["runs"][0]["gemm"] = {"start": gemm_yardstick(self.device, self.opt.gemm_size)}
-        self.data["runs"][0]["copy"] = copy_yardstick(self.device)
+        entry, cuda = self.data["runs"][0], self.device.type == "cuda"  # the yardsticks are CUDA's
+        gemm = entry["gemm"] = {"start": gemm_yardstick(self.device, self.opt.gemm_size) if cuda else None}
+        entry["copy"] = copy_yardstick(self.device) if cuda else None
         for sweep in sweeps:
             self.log(f"== sweep {sweep.name}: {sweep.what}, {len(sweep.cases)} cases")
             providers = [p for p in self.providers if sweep.providers is None or p.name in sweep.providers]
             for case in sweep.cases:
                 self.run_case(sweep, case, providers)
-        gemm["end"] = gemm_yardstick(self.device, self.opt.gemm_size)
-        self.data["runs"][0]["elapsed_s"] = round(time.perf_counter() - self.t0, 1)
+        gemm["end"] = gemm_yardstick(self.device, self.opt.gemm_size) if cuda else None
+        entry["elapsed_s"] = round(time.perf_counter() - self.t0, 1)
         self.save()
         return self.data
 
@@ -299,7 +287,7 @@ class Runner:
         try:
             fields = self._time(case, prov, mode, inputs, g, reference)
         except torch.cuda.OutOfMemoryError as exc:
-            self.oom_at[key] = min(self.oom_at.get(key, case.logits), case.logits)
+            self.oom_at[key] = case.logits  # fewer than any before: larger cases were not run
             fields = {"status": "oom", "reason": str(exc).splitlines()[0][:300]}
         except Exception as exc:  # noqa: BLE001 - a failure is a result, the run goes on
             fields = {"status": "error", "reason": f"{type(exc).__name__}: {str(exc)[:1000]}"}
@@ -348,10 +336,10 @@ def parser() -> argparse.ArgumentParser:
     preset = p.add_mutually_exclusive_group()
     preset.add_argument("--full", action="store_true", help="every size (default: the quick sizes)")
     preset.add_argument("--smoke", action="store_true", help="every sweep in miniature on CPU (CI)")
-    p.add_argument("--sizes", help="N of the n sweep (and of shapes: its first), e.g. 4k,8k")
-    p.add_argument("--long-sizes", help="N of the long sweep, e.g. 128k,1m")
-    p.add_argument("--decode-nq", help="Nq of the decode sweep, e.g. 1,16,256")
-    p.add_argument("--decode-nk", help="Nk of the decode sweep, e.g. 32k,128k")
+    p.add_argument("--sizes", type=_sizes, help="N of the n sweep (and of shapes: its first), e.g. 4k,8k")
+    p.add_argument("--long-sizes", type=_sizes, help="N of the long sweep, e.g. 128k,1m")
+    p.add_argument("--decode-nq", type=_sizes, help="Nq of the decode sweep, e.g. 1,16,256")
+    p.add_argument("--decode-nk", type=_sizes, help="Nk of the decode sweep, e.g. 32k,128k")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--dim", type=int, default=128)
@@ -400,11 +388,7 @@ def main(argv: list[str] | None = None) -> int:
     log = functools.partial(print, flush=True)
     log(f"benchmarks/bench.py on {env['device']}: sweeps {', '.join(s.name for s in sweeps)}; out {out}")
     data = Runner(device, providers, out, options, {"environment": env, "config": config}, log).run(sweeps)
-    try:
-        written = report.render(data, out, with_plots=not args.no_plots)
-    except ImportError as exc:  # matplotlib missing: the JSON and the tables are the record
-        log(f"no plots: {exc}")
-        written = report.render(data, out, with_plots=False)
+    written = report.render(data, out, with_plots=not args.no_plots)
     counts = dict(collections.Counter(r["status"] for r in data["records"]))
     paths = ", ".join(str(p) for p in [out / "results.json", *written])
     log(f"done in {data['runs'][0]['elapsed_s']} s: {counts}; wrote {paths}")

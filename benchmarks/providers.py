@@ -132,7 +132,7 @@ def dense_autocast(q1, k1, q2, k2, causal: bool):
     return (logp1.exp() * diff).sum(-1)
 
 
-def _dense(name, kind, what, formula, compile_backend, exact=False, why_not=Provider.why_not) -> list:
+def _dense(name, kind, what, formula, compile_backend, why_not=Provider.why_not) -> list:
     """The formula eager (`torch-<name>`) and compiled afresh per measurement (`torch.compile-<name>`)."""
 
     def fwd(case, compiled):
@@ -140,7 +140,7 @@ def _dense(name, kind, what, formula, compile_backend, exact=False, why_not=Prov
         if compiled:
             torch._dynamo.reset()
             fn = torch.compile(fn, backend=compile_backend, dynamic=False)
-        return exact_fp32_matmuls()(fn) if exact else fn  # a context manager is a decorator too
+        return exact_fp32_matmuls()(fn) if kind == "exact" else fn  # a context manager is a decorator too
 
     hows = {"torch": "eager", "torch.compile": f"torch.compile ({compile_backend})"}
     makers = [functools.partial(fwd, compiled=c) for c in (False, True)]
@@ -201,6 +201,6 @@ def all_providers(compile_backend: str = "inductor") -> list[Provider]:
         *_dense("bf16", "baseline", autocast, dense_autocast, compile_backend, why_not=only_16bit),
         _sdpa_trick("flash"),
         _sdpa_trick("cudnn"),
-        *_dense("fp32", "exact", exact, fp32, compile_backend, exact=True),
+        *_dense("fp32", "exact", exact, fp32, compile_backend),
         _attention_cudnn(),
     ]

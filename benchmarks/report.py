@@ -98,19 +98,12 @@ def merge(runs: list[dict]) -> dict:
     return merged
 
 
-def _selection(sweeps: list[str]) -> dict[str, set[str] | None]:
-    """['n:4K+16K', 'decode'] -> {'n': {'4K', '16K'}, 'decode': None}: sweeps, each with the
-    sizes (a case name's first word: 4K, 16x32K) it keeps, or all of them."""
-    return {
-        name: set(sizes.split("+")) if sizes else None
-        for name, _, sizes in (s.partition(":") for s in sweeps)
-    }
-
-
 def headline(data: dict, sweeps: list[str] | None = None) -> str:
     """Per case and mode: streamkl's fastest backend, the fastest non-fp32 baseline, the fp32 ones;
-    sweeps: 'name' or 'name:size+size' items (_selection), default every case."""
-    keep = _selection(sweeps) if sweeps else None
+    sweeps: 'name' (every case) or 'name:size+size' (the sizes named, a case name's first word: 4K,
+    16x32K) items, default every sweep."""
+    names = sweeps or {r["sweep"] for r in data["records"]}
+    keep = dict(s.partition(":")[::2] for s in names)  # sweep: its sizes ('4K+16K'), '' for all
     groups = collections.defaultdict(list)  # (sweep, case_key, mode) -> its records, as measured
     for r in data["records"]:
         groups[r["sweep"], r["case_key"], r["mode"]].append(r)
@@ -120,9 +113,9 @@ def headline(data: dict, sweeps: list[str] | None = None) -> str:
         for r in sorted((r for r in recs if r["status"] == "ok"), key=lambda r: r["ms"]):
             fastest.setdefault(r["kind"], r)
         ours, base = fastest.get("streamkl"), fastest.get("baseline")
-        if ours is None or (keep is not None and sweep not in keep):
+        if ours is None or sweep not in keep:
             continue
-        if keep is not None and keep[sweep] and case_name(ours["case"]).split()[0] not in keep[sweep]:
+        if keep[sweep] and case_name(ours["case"]).split()[0] not in keep[sweep].split("+"):
             continue
         tried = sorted({time_cell(r) for r in recs if r["kind"] == "baseline" and r["status"] != "n/a"})
         named = base["provider"] if base else f"none ran ({', '.join(tried)})" if tried else "—"
@@ -268,7 +261,11 @@ def render(data: dict, out, with_plots: bool = True) -> list[Path]:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.md").write_text(markdown(data))
-    return [out / "results.md", *(plots(data, out) if with_plots else [])]
+    try:
+        return [out / "results.md", *(plots(data, out) if with_plots else [])]
+    except ImportError as exc:  # matplotlib missing: the JSON and the tables are the record
+        print(f"no plots: {exc}", flush=True)
+        return [out / "results.md"]
 
 
 def readme_block(path: str, sweeps: str | None, data: dict) -> str:
