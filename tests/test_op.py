@@ -273,17 +273,19 @@ class _TwoLayers(torch.nn.Module):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
-def test_cuda_graphs_under_reduce_overhead(varlen):
+def test_cuda_graphs_under_reduce_overhead(varlen, dtype):
     """torch.compile(mode="reduce-overhead") captures the op in CUDA graphs: no host sync and no
-    allocation breaks capture, and replays give eager's loss and gradients."""
+    allocation breaks capture, and replays give eager's loss and gradients. auto takes triton for
+    float32 and, on sm_90, the cuda forward for bfloat16."""
     torch._dynamo.reset()
     device = "cuda"
     cu = torch.tensor([0, 100, 100, 230, 256], dtype=torch.int32, device=device) if varlen else None
-    model = _TwoLayers(device, 64)
+    model = _TwoLayers(device, 64).to(dtype)
     step = torch.compile(model, mode="reduce-overhead", fullgraph=True)
     for i in range(4):
-        inputs = make_inputs(h=4, hk1=2, nq=256, nk=256, d1=64, d2=64, device=device, seed=i)
+        inputs = make_inputs(h=4, hk1=2, nq=256, nk=256, d1=64, d2=64, dtype=dtype, device=device, seed=i)
         q1, k1, q2, k2 = inputs
         q2.requires_grad_()
         kw = dict(cu_seqlens=cu, max_seqlen=130 if varlen else None)
