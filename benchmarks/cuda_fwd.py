@@ -31,12 +31,15 @@ VARIANTS = {
     "a-plain": dict(NWG=2, BN=128, STAGES=2, WS=0, PINGPONG=0),
     "b-ws": dict(NWG=2, BN=128, STAGES=2, WS=1, PINGPONG=0),
     "c-pingpong2": dict(NWG=2, BN=128, STAGES=2, WS=1, PINGPONG=1),
+    # three consumers of 64 rows over 64-key tiles: 128 registers without spills, 4 stages
+    "e-3wg64": dict(NWG=3, BN=64, STAGES=4, WS=1, PINGPONG=1),
+    "e-3wg64-nopp": dict(NWG=3, BN=64, STAGES=4, WS=1, PINGPONG=0),
     "x-noexp": dict(NWG=2, BN=128, STAGES=2, WS=1, PINGPONG=1, ABLATE=1),
     "x-onegemm": dict(NWG=2, BN=128, STAGES=2, WS=1, PINGPONG=1, ABLATE=2),
     "x-1stage": dict(NWG=2, BN=128, STAGES=1, WS=1, PINGPONG=1),
 }
 ABLATIONS = tuple(v for v in VARIANTS if v.startswith("x-"))
-TIMED_AT_D64 = ("c-pingpong2", *ABLATIONS)
+TIMED_AT_D64 = ("b-ws", "c-pingpong2", "e-3wg64", "e-3wg64-nopp", *ABLATIONS)
 # (b, h, hk1, hk2, nq, nk, d1, d2, layout, causal, dtype[, dict(std=, scale1=, scale2=, lengths=)]):
 # std scales the random inputs (std 50 at D = 128: |S * scale| up to ~1e4), the scales default to
 # 1 / sqrt(d); lengths packs sequences of those lengths (cu_seqlens; nq = nk = their sum).
