@@ -11,7 +11,7 @@ import torch
 
 BACKWARD = "triton"  # no CUDA backward yet: the op runs triton's on this forward's statistics
 # At this many query rows or fewer (decode) triton's split-K reads the keys about 10% faster
-# (docs/cuda.md, Dispatch); from 64 rows on this kernel is 1.35x-1.6x triton's.
+# (docs/cuda.md, Dispatch); at 64 rows this kernel is 1.45x-1.56x triton's.
 AUTO_MIN_QUERY_ROWS = 16
 
 _DTYPES = (torch.bfloat16, torch.float16)

@@ -180,17 +180,7 @@ def fwd_plan(
     cfg = _config.fwd_cfg(D1P, D2P, dtype, causal, rows, device.type != "cuda", cfg)
     m_tiles = triton.cdiv(rows, cfg.block_m)
     nk = rows if varlen else NK
-    nk_tiles = triton.cdiv(max(nk, 1), cfg.block_n)
-    splits = 1
-    if not varlen:
-        splits = _config.split_count(
-            zdim * H * m_tiles, nk_tiles, _num_sms(device), forced_splits, cfg.block_m
-        )
-    split_len = nk
-    if splits > 1:
-        # Split-K: each split covers a whole number of key tiles.
-        split_len = triton.cdiv(nk_tiles, splits) * cfg.block_n
-        splits = triton.cdiv(nk, split_len)
+    splits, split_len = _key_splits(zdim * H * m_tiles, nk, cfg, varlen, device, forced_splits)
     consts = dict(
         D1=D1,
         D2=D2,
@@ -278,6 +268,20 @@ class BwdPlan(NamedTuple):
     dq_split_len: int  # keys per split
 
 
+def _key_splits(ctas, nk, cfg, varlen, device, forced_splits) -> tuple[int, int]:
+    """(splits, keys per split) of a query-major launch of `ctas` programs over nk keys: the
+    split-K rule (_config.split_count), each split a whole number of key tiles; packed
+    sequences are never split."""
+    nk_tiles = triton.cdiv(max(nk, 1), cfg.block_n)
+    if varlen:
+        return 1, nk
+    splits = _config.split_count(ctas, nk_tiles, _num_sms(device), forced_splits, cfg.block_m)
+    if splits == 1:
+        return 1, nk
+    split_len = triton.cdiv(nk_tiles, splits) * cfg.block_n
+    return triton.cdiv(nk, split_len), split_len
+
+
 @functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
 def bwd_plan(
     H: int,
@@ -345,13 +349,8 @@ def bwd_plan(
     dq_grid = dq_consts = None
     splits, split_len = 1, nk
     if not fused and (need_dq1 or need_dq2):
-        m_tiles, nk_tiles = triton.cdiv(rows, cq.block_m), triton.cdiv(max(nk, 1), cq.block_n)
-        if not varlen:
-            ctas = zdim * H * m_tiles
-            splits = _config.split_count(ctas, nk_tiles, _num_sms(device), forced_splits, cq.block_m)
-        if splits > 1:  # each split covers a whole number of key tiles
-            split_len = triton.cdiv(nk_tiles, splits) * cq.block_n
-            splits = triton.cdiv(nk, split_len)
+        m_tiles = triton.cdiv(rows, cq.block_m)
+        splits, split_len = _key_splits(zdim * H * m_tiles, nk, cq, varlen, device, forced_splits)
         dq_grid = (m_tiles * splits, H, zdim)
         dq_consts = dict(
             BLOCK_M=cq.block_m,
