@@ -78,14 +78,15 @@ def test_tma_layout_rules():
 
 def test_split_k_fills_the_sms_only_where_the_row_tiles_do_not():
     sms = 132
-    # decode: 32 heads, one row tile each, 32K keys (256 tiles) -> split
-    assert _launch.splits_for(32, 256, 1, sms) > 1
-    # the benchmark shape (8K x 8K, 32 heads: 2048 CTAs) and a full wave stay unsplit
-    assert _launch.splits_for(2048, 64, 1, sms) == 1
-    assert _launch.splits_for(132, 1024, 1, sms) == 1
-    for ctas, tiles, batch in [(1, 1, 1), (1, 7, 1), (3, 10_000, 1), (40_000, 2, 40_000), (2, 4096, 65535)]:
-        s = _launch.splits_for(ctas, tiles, batch, sms)
-        assert 1 <= s <= max(1, tiles // _launch.MIN_TILES_PER_SPLIT) and batch * s <= 65535
+    for tile in (64, 128):
+        # decode: 32 heads, one row tile each, 32K keys -> split
+        assert _launch.splits_for(32, 32768 // tile, 1, sms, tile) > 1
+        # 8K x 8K over 32 heads in 128-row tiles (2048 CTAs) and a full wave stay unsplit
+        assert _launch.splits_for(2048, 8192 // tile, 1, sms, tile) == 1
+        assert _launch.splits_for(132, 131072 // tile, 1, sms, tile) == 1
+        for ctas, tiles, batch in [(1, 1, 1), (1, 7, 1), (3, 10_000, 1), (40_000, 2, 40_000), (2, 4096, 65535)]:
+            s = _launch.splits_for(ctas, tiles, batch, sms, tile)
+            assert 1 <= s <= max(1, tiles * tile // _launch.MIN_KEYS_PER_SPLIT) and batch * s <= 65535
 
 
 def test_supports_refuses_what_it_cannot_run_on_cpu():
@@ -153,8 +154,9 @@ DECODE = [(1, 4099, 4, 4), (3, 1000, 2, 1), (64, 2048, 4, 2), (65, 3333, 1, 4), 
 @pytest.mark.parametrize("nq,nk,hk1,hk2", DECODE)
 def test_split_k_decode_shapes(nq, nk, hk1, hk2, causal):
     h = 4
-    bm = 64 * _launch.shipped(128, 128, False)["NWG"]
-    assert _launch.splits_for(-(-nq // bm) * h, -(-nk // 128), 1, _launch._sm_count(0)) > 1
+    c = _launch.shipped(128, 128, False)
+    bm, bn = 64 * c["NWG"], c["BN"]
+    assert _launch.splits_for(-(-nq // bm) * h, -(-nk // bn), 1, _launch._sm_count(0), bn) > 1
     for dtype, std in ((torch.bfloat16, 1.0), (torch.float16, 3.0)):
         inputs = make_inputs(h=h, hk1=hk1, hk2=hk2, nq=nq, nk=nk, d1=128, d2=64, dtype=dtype, device="cuda",
                              seed=nq + nk, std=std)  # fmt: skip

@@ -31,8 +31,8 @@ SOURCE_FILE = "kl_fwd.cu"
 ENTRY = "kl_fwd"
 COMBINE = "kl_combine"  # the split-K epilogue, in the same source
 PART = 6  # floats of one row's partial state (kl_fwd.cu's PART)
-SPLIT_OVERHEAD_TILES = 2  # a CTA's fixed cost (Q loads, pipeline fill, epilogue) in key tiles
-MIN_TILES_PER_SPLIT = 4
+SPLIT_OVERHEAD_KEYS = 256  # a CTA's fixed cost (Q loads, pipeline fill, epilogue) in keys
+MIN_KEYS_PER_SPLIT = 512
 MAX_SPLITS = 64
 
 
@@ -53,9 +53,9 @@ def threads(c: dict) -> int:
 
 def shipped(d1p: int, d2p: int, fp16: bool) -> dict:
     """The constants of the instantiation that runs for padded head dims (d1p, d2p): a producer
-    warpgroup and two ping-ponging consumer warpgroups over 128 x 128 tiles (docs/cuda.md), as
-    many ring stages as shared memory holds, up to 4."""
-    c = dict(KL_FP16=int(fp16), D1P=d1p, D2P=d2p, NWG=2, BN=128, STAGES=1, WS=1, PINGPONG=1)
+    warpgroup and three consumer warpgroups of 64 rows, each overlapping its own GEMMs and
+    updates, over 64-key tiles (docs/cuda.md), as many ring stages as shared memory holds, up to 4."""
+    c = dict(KL_FP16=int(fp16), D1P=d1p, D2P=d2p, NWG=3, BN=64, STAGES=1, WS=1, PINGPONG=0, OVERLAP=1)
     while c["STAGES"] < 4 and smem_bytes(dict(c, STAGES=c["STAGES"] + 1)) <= SMEM_LIMIT:
         c["STAGES"] += 1
     return c
@@ -209,14 +209,15 @@ def _sm_count(device_index: int) -> int:
 
 
 @functools.lru_cache(maxsize=4096)
-def splits_for(ctas: int, key_tiles: int, batch: int, sms: int) -> int:
-    """How many ways to split each row tile's key tiles (split-K): the count that minimizes the
-    waves of one-CTA-per-SM work times a CTA's share (its key tiles plus a fixed cost), so a
-    grid of few row tiles (decode) fills the SMs and a large one stays unsplit."""
+def splits_for(ctas: int, key_tiles: int, batch: int, sms: int, tile: int) -> int:
+    """How many ways to split each row tile's key tiles (of `tile` keys; split-K): the count that
+    minimizes the waves of one-CTA-per-SM work times a CTA's share (its key tiles plus a fixed
+    cost), so a grid of few row tiles (decode) fills the SMs and a large one stays unsplit."""
     best, best_cost = 1, None
-    top = max(1, min(MAX_SPLITS, key_tiles // MIN_TILES_PER_SPLIT, 65535 // batch))
+    overhead = -(-SPLIT_OVERHEAD_KEYS // tile)
+    top = max(1, min(MAX_SPLITS, key_tiles * tile // MIN_KEYS_PER_SPLIT, 65535 // batch))
     for s in range(1, top + 1):
-        cost = -(-ctas * s // sms) * (-(-key_tiles // s) + SPLIT_OVERHEAD_TILES)
+        cost = -(-ctas * s // sms) * (-(-key_tiles // s) + overhead)
         if best_cost is None or cost < best_cost:
             best, best_cost = s, cost
     return best
@@ -256,7 +257,7 @@ def forward(
     bn = consts["BN"]
     rows = B * H * NQ
     key_tiles = -(-(NK if cu_seqlens is None else longest) // bn)
-    splits = splits_for(m_tiles * H * seqs, key_tiles, seqs, _sm_count(index)) if rows < 2**31 else 1
+    splits = splits_for(m_tiles * H * seqs, key_tiles, seqs, _sm_count(index), bn) if rows < 2**31 else 1
     part = torch.empty(splits * rows * PART, device=dev, dtype=torch.float32) if splits > 1 else None
     block = (
         tensor_map(q1, 64)

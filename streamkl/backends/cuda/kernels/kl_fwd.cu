@@ -20,11 +20,16 @@
 //   read from shared memory) as two commit groups, runs the online update of S1 while the S2
 //   GEMM is in flight, then releases the stage (one thread arrives on its "empty" barrier) and
 //   runs the update of S2. PINGPONG = 1: the consumers issue their GEMMs in strict turn (named
-//   barriers 1..NWG), so one warpgroup's exponentials run under another's GEMMs.
+//   barriers 1..NWG), so one warpgroup's exponentials run under another's GEMMs. OVERLAP = 1
+//   (no ping-pong): a consumer issues tile i's S1 GEMM, runs tile i - 1's S2 update under it,
+//   issues tile i's S2 GEMM and runs tile i's S1 update under that, so its own exponentials run
+//   under its own GEMMs; no wgmma is in flight across the loop's back edge.
 // Online update (log2 units, t = S * log2(e) * scale; see docs/math.md): every thread keeps, for
 //   each of its two rows and over its own quarter of the columns, m1, l1, m2, l2 and the sums
-//   aa = sum e1 * S1raw, ab = sum e1 * S2raw; the four threads of a row merge these once, after
-//   the last tile (no shuffle per tile). acc = c1 * aa - c2 * ab = sum e1 * (t1 - t2).
+//   aa = sum e1 * S1raw, ab = sum e1 * t2; the four threads of a row merge these once, after the
+//   last tile (no shuffle per tile). acc = c1 * aa - ab = sum e1 * (t1 - t2). S2 enters the update
+//   as x2 = t2 - ref(m2) (scores2: one FFMA per element, which the exponential needs anyway), in
+//   registers no wgmma writes, so (OVERLAP) the next tile's S1 GEMM can run under the S2 update.
 // Lagged running max: a thread's m1 / m2 are references, not maxima: l = sum 2^(t - m) over the
 //   thread's columns so far (aa, ab alike), and finish() merges any references exactly
 //   (w = 2^(m - M)), so lse = M + log2 L and the KL do not depend on which m a thread holds, only
@@ -32,8 +37,8 @@
 //   tile, so they need not wait for the tile's max, and no max is computed: the tile's own sum of
 //   e is the test. sum <= LAG_SUM = 2^16: as e >= 0, every e <= 2^16; the tile's sums add on and
 //   m stays. Otherwise (a larger e, +inf, NaN): the row's tile is redone exactly (m = max(m, tile
-//   max) first, row1 / row2), from the raw scores, which stay in s1 / s2 until the decision (e1
-//   goes to temporaries and into s1 only on the fast side). Why that is exact for every input:
+//   max) first, row1 / row2), for both of the thread's rows, from s1 (raw) and x2, which stay
+//   until the decision (e1 is written to its own registers). Why that is exact for every input:
 //   - Overflow: the invariant "every t seen so far is <= m + 16" holds after either side (the
 //     exact side only raises m), so e <= 2^16, l <= 2^16 Nk / 4 and aa, ab <= that times max |S|:
 //     finite while Nk max |S| < 2^112. A jump of any size inside a tile (|S| ~ 1e4, a one-hot row
@@ -43,8 +48,8 @@
 //     (t - m < -126) only where it would in an exact update too.
 //   - Empty and masked: invalid keys give e = 0, as in the exact update; a thread that sees no key
 //     in a tile sums 0 (fast side, sums + 0), one that sees none at all keeps m = -inf, l = 0
-//     (kl = 0, lse = -inf); m = -inf with a visible key gives e = +inf (exact side). The first
-//     tile always takes the exact side (m = -inf there).
+//     (kl = 0, lse = -inf); m1 = -inf with a visible key gives e1 = +inf, m2 = -inf with one is
+//     tested (x2 is relative to 0 there): both take the exact side. So does the first tile.
 //   - Negative scales: the fast side uses t = c S itself, so it needs no min/max swap; the exact
 //     side keeps row_max's.
 // Tiles: Q of a consumer 64 x D (D padded to DP = 64 or 128 by TMA's zero fill), K tiles BN x D,
@@ -84,6 +89,10 @@
 #ifndef ABLATE
 #define ABLATE 0
 #endif
+#ifndef OVERLAP
+#define OVERLAP 0
+#endif
+static_assert(!OVERLAP || !PINGPONG, "OVERLAP replaces ping-pong");
 // ABLATE (measurement only, for docs/cuda.md's ablations; the results are wrong): 1 runs no
 // exponential (e = t), 2 issues no S2 GEMM.
 #if ABLATE == 1
@@ -92,7 +101,7 @@
 
 static_assert(D1P == 64 || D1P == 128, "D1P: 64 or 128");
 static_assert(D2P == 64 || D2P == 128, "D2P: 64 or 128");
-static_assert(BN == 64 || BN == 128, "BN: 64 or 128");
+static_assert(BN == 64 || BN == 96 || BN == 128, "BN: 64, 96 or 128");
 static_assert(NWG >= 1 && NWG <= 3, "NWG: 1 to 3 consumer warpgroups");
 static_assert(!PINGPONG || (WS && NWG >= 2), "ping-pong needs a producer and two consumers");
 
@@ -179,9 +188,11 @@ KL_DEV void gemm(float* s, unsigned long long dq, unsigned long long dk) {
     const unsigned long long da = smem_desc_add(dq, (kk / 4) * SLAB + (kk % 4) * 32);
     const unsigned long long db = smem_desc_add(dk, (kk / 4) * (BN * 128) + (kk % 4) * 32);
 #if BN == 128
-    wgmma_m64n128k16(s, da, db, kk > 0);
+    if (kk == 0) wgmma_m64n128k16<false>(s, da, db); else wgmma_m64n128k16<true>(s, da, db);
+#elif BN == 96
+    if (kk == 0) wgmma_m64n96k16<false>(s, da, db); else wgmma_m64n96k16<true>(s, da, db);
 #else
-    wgmma_m64n64k16(s, da, db, kk > 0);
+    if (kk == 0) wgmma_m64n64k16<false>(s, da, db); else wgmma_m64n64k16<true>(s, da, db);
 #endif
   }
 }
@@ -242,23 +253,26 @@ KL_DEV void exp_pair(const float* s, int i, int j, float c, float nm, int lim, f
 
 struct Row {
   float m1, l1, m2, l2, aa, ab;
+  float lt;  // the current tile's sum of e1 over the thread's columns (for ab's reference term)
 };
 
+// m as an exponent reference: 0 while the row has seen nothing (m = -inf), so no -inf - -inf.
+KL_DEV float ref(float m) { return m == -KL_INF ? 0.f : m; }
+
 // Raises row i's m to the tile's max: returns the rescale alpha = 2^(m_old - m_new) and sets nm
-// to -m_new (0 while the row has seen nothing, so no -inf - -inf).
+// to -m_new (0 while the row has seen nothing).
 template <bool MASK>
 KL_DEV float raise_max(const float* s, float& m, float c, int lim, int i, float& nm) {
   const float mnew = fmaxf(m, row_max<MASK>(s, i, c, lim));
-  const float mu = mnew == -KL_INF ? 0.f : mnew;
-  const float alpha = ex2(m - mu);
+  const float alpha = ex2(m - ref(mnew));
   m = mnew;
-  nm = -mu;
+  nm = -ref(mnew);
   return alpha;
 }
 
-// The S1 half of row i's update: m1, l1, aa (and ab's rescale); leaves e1 = 2^(t1 - m1) in s1.
+// The exact S1 half of row i's update: m1, l1, aa (and ab's rescale), e1 = 2^(t1 - m1), lt.
 template <bool MASK>
-KL_DEV void row1(float* s1, Row& r, float c1, int lim, int i) {
+KL_DEV void row1(const float* s1, float* e1, Row& r, float c1, int lim, int i) {
   float nm;
   const float alpha = raise_max<MASK>(s1, r.m1, c1, lim, i, nm);
   float l0 = 0.f, l1 = 0.f, a0 = 0.f, a1 = 0.f;
@@ -269,96 +283,128 @@ KL_DEV void row1(float* s1, Row& r, float c1, int lim, int i) {
     exp_pair<MASK>(s1, i, j, c1, nm, lim, ex, ey);
     l0 += ex, l1 += ey;
     a0 = fmaf(ex, s1[x], a0), a1 = fmaf(ey, s1[y], a1);
-    s1[x] = ex, s1[y] = ey;
+    e1[x] = ex, e1[y] = ey;
   }
-  r.l1 = fmaf(r.l1, alpha, l0 + l1);
+  r.lt = l0 + l1;
+  r.l1 = fmaf(r.l1, alpha, r.lt);
   r.aa = fmaf(r.aa, alpha, a0 + a1);
   r.ab *= alpha;
 }
 
-// The S2 half of row i's update: m2, l2 and ab += e1 * S2 (s1 holds e1, zero on invalid keys).
+// The exact S2 half of row i's update from x2 = t2 - ref(m2) (scores2): m2, l2, ab.
 template <bool MASK>
-KL_DEV void row2(const float* s1, const float* s2, Row& r, float c2, int lim, int i) {
-  float nm;
-  const float alpha = raise_max<MASK>(s2, r.m2, c2, lim, i, nm);
+KL_DEV void row2(const float* e1, const float* x2, Row& r, int lim, int i) {
+  const float xref = ref(r.m2);
+  const float mnew = fmaxf(r.m2, xref + row_max<MASK>(x2, i, 1.f, lim));
+  const float d = ref(mnew) - xref;  // e2 = 2^(x2 - d) = 2^(t2 - m2_new)
+  const float alpha = ex2(r.m2 - ref(mnew));
   float l0 = 0.f, l1 = 0.f, a0 = 0.f, a1 = 0.f;
 #pragma unroll
   for (int j = 0; j < BN / 8; ++j) {
     const int x = KL_IDX(j, i, 0), y = KL_IDX(j, i, 1);
     float ex, ey;
-    exp_pair<MASK>(s2, i, j, c2, nm, lim, ex, ey);
+    exp_pair<MASK>(x2, i, j, 1.f, -d, lim, ex, ey);
     l0 += ex, l1 += ey;
-    a0 = fmaf(s1[x], s2[x], a0), a1 = fmaf(s1[y], s2[y], a1);
+    a0 = fmaf(e1[x], x2[x], a0), a1 = fmaf(e1[y], x2[y], a1);
   }
+  r.m2 = mnew;
   r.l2 = fmaf(r.l2, alpha, l0 + l1);
-  r.ab += a0 + a1;
+  r.ab += fmaf(xref, r.lt, a0 + a1);  // sum e1 t2 = sum e1 x2 + ref(m2) sum e1
 }
 
 // The lagged running max (the header comment: what it does and why it is exact). Past the first
-// tile, one row's tile runs on the reference m from before it (the fast side) and keeps it when
-// the tile's own sum of e is at most LAG_SUM; otherwise row1 / row2 redo the tile exactly.
+// tile, a thread's two rows run on the references m from before the tile (the fast side) and keep
+// them when each row's own sum of e over the tile is at most LAG_SUM; otherwise row1 / row2 redo
+// both rows' tile exactly.
 constexpr float LAG_SUM = 65536.f;
 
+// The S1 half of a tile's update: e1 = 2^(t1 - m1) into e1 (s1 keeps the raw scores for the
+// exact side), l1, aa, lt.
 template <bool MASK>
-KL_DEV void row1_lagged(float* s1, Row& r, float c1, int lim, int i, bool first) {
-  float e[BN / 4];
+KL_DEV void update1(const float* s1, float* e1, Row* r, float c1, const int* lim, bool first) {
   bool exact = true;
   if (!first) {
-    const float nm = -r.m1;
-    float l0 = 0.f, l1 = 0.f, a0 = 0.f, a1 = 0.f;
+    float sums[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};  // per row: l1 and aa, twice for ILP
 #pragma unroll
-    for (int j = 0; j < BN / 8; ++j) {
-      const int x = KL_IDX(j, i, 0), y = KL_IDX(j, i, 1);
-      float ex, ey;
-      exp_pair<MASK>(s1, i, j, c1, nm, lim, ex, ey);
-      l0 += ex, l1 += ey;
-      a0 = fmaf(ex, s1[x], a0), a1 = fmaf(ey, s1[y], a1);
-      e[2 * j] = ex, e[2 * j + 1] = ey;
+    for (int i = 0; i < 2; ++i) {
+      const float nm = -r[i].m1;
+#pragma unroll
+      for (int j = 0; j < BN / 8; ++j) {
+        const int x = KL_IDX(j, i, 0), y = KL_IDX(j, i, 1);
+        float ex, ey;
+        exp_pair<MASK>(s1, i, j, c1, nm, lim[i], ex, ey);
+        sums[4 * i] += ex, sums[4 * i + 1] += ey;
+        sums[4 * i + 2] = fmaf(ex, s1[x], sums[4 * i + 2]), sums[4 * i + 3] = fmaf(ey, s1[y], sums[4 * i + 3]);
+        e1[x] = ex, e1[y] = ey;
+      }
     }
-    fence_regs<BN / 4>(e);  // the exponentials run before the decision, not sunk into its fast side
-    exact = !(l0 + l1 <= LAG_SUM);  // NaN and +inf take the exact side too
-    if (!exact) r.l1 += l0 + l1, r.aa += a0 + a1;
+    fence_regs<8>(sums);  // computed before the decision, not sunk into its fast side
+    exact = !(sums[0] + sums[1] <= LAG_SUM && sums[4] + sums[5] <= LAG_SUM);  // NaN, +inf: exact
+    if (!exact) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        r[i].lt = sums[4 * i] + sums[4 * i + 1];
+        r[i].l1 += r[i].lt, r[i].aa += sums[4 * i + 2] + sums[4 * i + 3];
+      }
+    }
   }
   if (exact) {
-    row1<MASK>(s1, r, c1, lim, i);
-  } else {
 #pragma unroll
-    for (int j = 0; j < BN / 8; ++j) s1[KL_IDX(j, i, 0)] = e[2 * j], s1[KL_IDX(j, i, 1)] = e[2 * j + 1];
+    for (int i = 0; i < 2; ++i) row1<MASK>(s1, e1, r[i], c1, lim[i], i);
   }
 }
 
+// x2 = t2 - ref(m2) = c2 S2 - ref(m2): S2's exponent arguments against the references the S2
+// update will start from, in registers no wgmma writes.
+KL_DEV void scores2(const float* s2, float* x2, const Row* r, float c2) {
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const float nm = -ref(r[i].m2);
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+      for (int k = 0; k < 2; ++k) x2[KL_IDX(j, i, k)] = fmaf(s2[KL_IDX(j, i, k)], c2, nm);
+  }
+}
+
+// The S2 half of a tile's update from x2 and e1: l2, ab (sum e1 t2, relative to m1), m2.
 template <bool MASK>
-KL_DEV void row2_lagged(const float* s1, const float* s2, Row& r, float c2, int lim, int i, bool first) {
+KL_DEV void update2(const float* e1, const float* x2, Row* r, const int* lim, bool first) {
   bool exact = true;
   if (!first) {
-    const float nm = -r.m2;
-    float sums[4] = {0.f, 0.f, 0.f, 0.f};  // l2 and ab, twice for ILP
+    float sums[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};  // per row: l2 and ab, twice for ILP
 #pragma unroll
-    for (int j = 0; j < BN / 8; ++j) {
-      const int x = KL_IDX(j, i, 0), y = KL_IDX(j, i, 1);
-      float ex, ey;
-      exp_pair<MASK>(s2, i, j, c2, nm, lim, ex, ey);
-      sums[0] += ex, sums[1] += ey;
-      sums[2] = fmaf(s1[x], s2[x], sums[2]), sums[3] = fmaf(s1[y], s2[y], sums[3]);
+    for (int i = 0; i < 2; ++i) {
+#pragma unroll
+      for (int j = 0; j < BN / 8; ++j) {
+        const int x = KL_IDX(j, i, 0), y = KL_IDX(j, i, 1);
+        float ex, ey;
+        ex = ex2(x2[x]), ey = ex2(x2[y]);
+        if (MASK) {
+          ex = 8 * j < lim[i] ? ex : 0.f;
+          ey = 8 * j + 1 < lim[i] ? ey : 0.f;
+        }
+        sums[4 * i] += ex, sums[4 * i + 1] += ey;
+        sums[4 * i + 2] = fmaf(e1[x], x2[x], sums[4 * i + 2]), sums[4 * i + 3] = fmaf(e1[y], x2[y], sums[4 * i + 3]);
+      }
     }
-    fence_regs<4>(sums);  // computed before the decision, not sunk into its fast side
-    exact = !(sums[0] + sums[1] <= LAG_SUM);
-    if (!exact) r.l2 += sums[0] + sums[1], r.ab += sums[2] + sums[3];  // e1: relative to the final m1
+    fence_regs<8>(sums);
+    // x2 is relative to 0 while m2 = -inf: a row's first visible keys take the exact side.
+    const float l0 = sums[0] + sums[1], l1 = sums[4] + sums[5];
+    exact = !(l0 <= LAG_SUM && l1 <= LAG_SUM) || (r[0].m2 == -KL_INF && l0 > 0.f) ||
+            (r[1].m2 == -KL_INF && l1 > 0.f);
+    if (!exact) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        r[i].l2 += sums[4 * i] + sums[4 * i + 1];
+        r[i].ab += fmaf(ref(r[i].m2), r[i].lt, sums[4 * i + 2] + sums[4 * i + 3]);
+      }
+    }
   }
-  if (exact) row2<MASK>(s1, s2, r, c2, lim, i);
-}
-
-// The S1 half of a tile's update (leaves e1 in s1), then the S2 half.
-template <bool MASK>
-KL_DEV void update1(float* s1, Row* r, float c1, const int* lim, bool first) {
+  if (exact) {
 #pragma unroll
-  for (int i = 0; i < 2; ++i) row1_lagged<MASK>(s1, r[i], c1, lim[i], i, first);
-}
-
-template <bool MASK>
-KL_DEV void update2(const float* s1, const float* s2, Row* r, float c2, const int* lim, bool first) {
-#pragma unroll
-  for (int i = 0; i < 2; ++i) row2_lagged<MASK>(s1, s2, r[i], c2, lim[i], i, first);
+    for (int i = 0; i < 2; ++i) row2<MASK>(e1, x2, r[i], lim[i], i);
+  }
 }
 
 KL_DEV float quad_max(float x) {
@@ -375,7 +421,7 @@ KL_DEV void write_row(const Params& p, long long o, float M1, float L1, float M2
   float kl = 0.f, lse1 = -KL_INF, lse2 = -KL_INF;
   if (L1 > 0.f) {
     const float g1 = log2f(L1), g2 = log2f(L2);
-    kl = ((p.c1 * AA - p.c2 * AB) / L1 + (M2 - M1) + g2 - g1) * KL_LN2;
+    kl = ((p.c1 * AA - AB) / L1 + (M2 - M1) + g2 - g1) * KL_LN2;
     lse1 = (M1 + g1) * KL_LN2;
     lse2 = (M2 + g2) * KL_LN2;
   }
@@ -424,8 +470,9 @@ KL_DEV void consume(const Params& p, const Span& sp, int c, int tid, unsigned ba
   const int n_full = full_end > 0 ? full_end / BN : 0;
   Row r[2];
 #pragma unroll
-  for (int i = 0; i < 2; ++i) r[i] = Row{-KL_INF, 0.f, -KL_INF, 0.f, 0.f, 0.f};
-  float s1[NR], s2[NR];
+  for (int i = 0; i < 2; ++i) r[i] = Row{-KL_INF, 0.f, -KL_INF, 0.f, 0.f, 0.f, 0.f};
+  float s1[NR], s2[NR];  // wgmma accumulators: the raw scores of the current tile
+  float e1[NR], x2[NR];  // e1 = 2^(t1 - m1); x2 = t2 - ref(m2) (scores2)
   const unsigned long long dq1 = smem_desc(base + OFF_Q1 + c * Q1_WG), dq2 = smem_desc(base + OFF_Q2 + c * Q2_WG);
   const unsigned long long dk1 = smem_desc(base + OFF_K1), dk2 = smem_desc(base + OFF_K2);
   mbar_wait(bar_q, 0);
@@ -443,6 +490,9 @@ KL_DEV void consume(const Params& p, const Span& sp, int c, int tid, unsigned ba
     }
     return;  // (never warpgroup 0, which refills the ring when WS = 0: m0 < Nq)
   }
+  // OVERLAP: tile i - 1's S2 update runs under tile i's S1 GEMM (prev_* are its mask and limits).
+  bool prev_masked = false;
+  int prev_rel[2] = {0, 0};
   for (int i = 0; i < n; ++i) {
     const int t = t0 + i, stage = i % STAGES;
     const unsigned phase = (i / STAGES) & 1;
@@ -450,11 +500,19 @@ KL_DEV void consume(const Params& p, const Span& sp, int c, int tid, unsigned ba
 #if PINGPONG
     named_sync(1 + c, 256);
 #endif
-    fence_regs<NR>(s1);
-    fence_regs<NR>(s2);
     wgmma_fence();
     gemm<D1P>(s1, dq1, smem_desc_add(dk1, stage * K1_ST));
     wgmma_commit();
+#if OVERLAP
+    if (i > 0) {
+      if (prev_masked)
+        update2<true>(e1, x2, r, prev_rel, i == 1);
+      else
+        update2<false>(e1, x2, r, prev_rel, i == 1);
+    }
+    __syncwarp();  // the per-thread fast / exact choice reconverges before wgmma (.aligned)
+    wgmma_fence();
+#endif
 #if ABLATE != 2
     gemm<D2P>(s2, dq2, smem_desc_add(dk2, stage * K2_ST));
 #endif
@@ -468,9 +526,9 @@ KL_DEV void consume(const Params& p, const Span& sp, int c, int tid, unsigned ba
     wgmma_wait<1>();
     fence_regs<NR>(s1);
     if (masked)
-      update1<true>(s1, r, p.c1, rel, i == 0);
+      update1<true>(s1, e1, r, p.c1, rel, i == 0);
     else
-      update1<false>(s1, r, p.c1, rel, i == 0);
+      update1<false>(s1, e1, r, p.c1, rel, i == 0);
     __syncwarp();  // the per-thread fast / exact choice reconverges before wgmma.wait (.aligned)
     wgmma_wait<0>();
     fence_regs<NR>(s2);
@@ -482,12 +540,25 @@ KL_DEV void consume(const Params& p, const Span& sp, int c, int tid, unsigned ba
     }
     __syncwarp();  // warp 0 reconverges before its next wgmma (.sync.aligned)
 #endif
+    scores2(s2, x2, r, p.c2);
+#if OVERLAP
+    prev_masked = masked, prev_rel[0] = rel[0], prev_rel[1] = rel[1];
+#else
     if (masked)
-      update2<true>(s1, s2, r, p.c2, rel, i == 0);
+      update2<true>(e1, x2, r, rel, i == 0);
     else
-      update2<false>(s1, s2, r, p.c2, rel, i == 0);
+      update2<false>(e1, x2, r, rel, i == 0);
     __syncwarp();  // and before the next tile's bar.sync and wgmma
+#endif
   }
+#if OVERLAP
+  if (n > 0) {
+    if (prev_masked)
+      update2<true>(e1, x2, r, prev_rel, n == 1);
+    else
+      update2<false>(e1, x2, r, prev_rel, n == 1);
+  }
+#endif
   finish(p, r, rows, sp.nq, lane, sp.out0, split);
 }
 

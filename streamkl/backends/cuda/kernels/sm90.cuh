@@ -115,32 +115,29 @@ KL_DEV float ex2(float x) {
   return y;
 }
 
-// D[64 x 128] (+)= A[64 x 16] * B[128 x 16]^T, both operands K-major in shared memory.
-KL_DEV void wgmma_m64n128k16(float* d, unsigned long long desc_a, unsigned long long desc_b, int accumulate) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32." KL_AB "." KL_AB " "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-      : "l"(desc_a), "l"(desc_b), "r"(accumulate));
-}
-
-// D[64 x 64] (+)= A[64 x 16] * B[64 x 16]^T, both operands K-major in shared memory.
-KL_DEV void wgmma_m64n64k16(float* d, unsigned long long desc_a, unsigned long long desc_b, int accumulate) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32." KL_AB "." KL_AB " "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-      : "l"(desc_a), "l"(desc_b), "r"(accumulate));
-}
+// wgmma m64nNk16 with fp32 accumulators d[N / 2]: D[64 x N] (+)= A[64 x 16] * B[N x 16]^T, both
+// operands K-major in shared memory. ACC = false overwrites D (scale-d 0) and declares d written,
+// not read, so the compiler may keep other values in those registers until the GEMM is issued.
+#define KL_RW(x) "+f"(x)
+#define KL_WO(x) "=f"(x)
+#define KL_OPS8(M, b) M(d[b]), M(d[b + 1]), M(d[b + 2]), M(d[b + 3]), M(d[b + 4]), M(d[b + 5]), M(d[b + 6]), M(d[b + 7])
+#define KL_OPS32(M) KL_OPS8(M, 0), KL_OPS8(M, 8), KL_OPS8(M, 16), KL_OPS8(M, 24)
+#define KL_OPS48(M) KL_OPS32(M), KL_OPS8(M, 32), KL_OPS8(M, 40)
+#define KL_OPS64(M) KL_OPS32(M), KL_OPS8(M, 32), KL_OPS8(M, 40), KL_OPS8(M, 48), KL_OPS8(M, 56)
+#define KL_WGMMA(N, REGS, DESC_A, DESC_B, OPS)                                                        \
+  template <bool ACC>                                                                                \
+  KL_DEV void wgmma_m64n##N##k16(float* d, unsigned long long desc_a, unsigned long long desc_b) {   \
+    if constexpr (ACC)                                                                               \
+      asm volatile("wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." KL_AB "." KL_AB " " REGS ", "   \
+                   DESC_A ", " DESC_B ", 1, 1, 1, 0, 0;\n"                                            \
+                   : OPS(KL_RW)                                                                      \
+                   : "l"(desc_a), "l"(desc_b));                                                      \
+    else                                                                                             \
+      asm volatile("wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." KL_AB "." KL_AB " " REGS ", "   \
+                   DESC_A ", " DESC_B ", 0, 1, 1, 0, 0;\n"                                            \
+                   : OPS(KL_WO)                                                                      \
+                   : "l"(desc_a), "l"(desc_b));                                                      \
+  }
+KL_WGMMA(128, "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}", "%64", "%65", KL_OPS64)
+KL_WGMMA(96, "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47}", "%48", "%49", KL_OPS48)
+KL_WGMMA(64, "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}", "%32", "%33", KL_OPS32)
