@@ -39,12 +39,18 @@ VARIANTS = {
     # each consumer overlaps its own GEMMs and updates (tile i's S1 GEMM under tile i - 1's S2 update)
     "f-overlap": dict(NWG=2, BN=128, STAGES=2, WS=1, PINGPONG=0, OVERLAP=1),
     "f-3wg64-overlap": SHIPPED,
+    # four consumers over 64-key tiles, 3 stages (120 registers each: small spills)
+    "g-4wg64": dict(NWG=4, BN=64, STAGES=3, WS=1, PINGPONG=0),
+    "g-4wg64-overlap": dict(NWG=4, BN=64, STAGES=3, WS=1, PINGPONG=0, OVERLAP=1),
     "x-noexp": dict(SHIPPED, ABLATE=1),
     "x-onegemm": dict(SHIPPED, ABLATE=2),
     "x-2stage": dict(SHIPPED, STAGES=2),
 }
 ABLATIONS = tuple(v for v in VARIANTS if v.startswith("x-"))
-TIMED_AT_D64 = ("b-ws", "c-pingpong2", "e-3wg64", "e-3wg64-nopp", "f-overlap", "f-3wg64-overlap", *ABLATIONS)
+TIMED_AT_D64 = (
+    "b-ws", "c-pingpong2", "e-3wg64", "e-3wg64-nopp", "f-overlap", "f-3wg64-overlap", "g-4wg64", "g-4wg64-overlap",
+    *ABLATIONS,
+)  # fmt: skip
 # (b, h, hk1, hk2, nq, nk, d1, d2, layout, causal, dtype[, dict(std=, scale1=, scale2=, lengths=)]):
 # std scales the random inputs (std 50 at D = 128: |S * scale| up to ~1e4), the scales default to
 # 1 / sqrt(d); lengths packs sequences of those lengths (cu_seqlens; nq = nk = their sum).
