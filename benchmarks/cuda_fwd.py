@@ -39,9 +39,6 @@ VARIANTS = {
     # each consumer overlaps its own GEMMs and updates (tile i's S1 GEMM under tile i - 1's S2 update)
     "f-overlap": dict(NWG=2, BN=128, STAGES=2, WS=1, PINGPONG=0, OVERLAP=1),
     "f-3wg64-overlap": SHIPPED,
-    # four consumers over 64-key tiles, 3 stages (120 registers each: small spills)
-    "g-4wg64": dict(NWG=4, BN=64, STAGES=3, WS=1, PINGPONG=0),
-    "g-4wg64-overlap": dict(NWG=4, BN=64, STAGES=3, WS=1, PINGPONG=0, OVERLAP=1),
     "x-noexp": dict(SHIPPED, ABLATE=1),
     "x-onegemm": dict(SHIPPED, ABLATE=2),
     "x-2stage": dict(SHIPPED, STAGES=2),

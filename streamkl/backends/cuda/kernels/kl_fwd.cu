@@ -102,7 +102,7 @@ static_assert(!OVERLAP || !PINGPONG, "OVERLAP replaces ping-pong");
 static_assert(D1P == 64 || D1P == 128, "D1P: 64 or 128");
 static_assert(D2P == 64 || D2P == 128, "D2P: 64 or 128");
 static_assert(BN == 64 || BN == 96 || BN == 128, "BN: 64, 96 or 128");
-static_assert(NWG >= 1 && NWG <= 4, "NWG: 1 to 4 consumer warpgroups");
+static_assert(NWG >= 1 && NWG <= 3, "NWG: 1 to 3 consumer warpgroups");
 static_assert(!PINGPONG || (WS && NWG >= 2), "ping-pong needs a producer and two consumers");
 
 constexpr int BM = 64 * NWG;
@@ -119,10 +119,11 @@ constexpr unsigned OFF_BAR = OFF_K2 + STAGES * K2_ST;
 // 1024 bytes of slack: the dynamic shared memory base is aligned up to 1024 in the kernel.
 constexpr unsigned SMEM_BYTES = OFF_BAR + 8 * (1 + 2 * STAGES) + 1024;
 static_assert(SMEM_BYTES <= 232448, "exceeds the 227 KB of shared memory of an sm_90 CTA");
-// Register budgets after setmaxnreg (65536 per SM): producer x 128 + consumers x 128 NWG.
+// setmaxnreg moves registers inside the CTA's launch allocation (THREADS x the per-thread count
+// __launch_bounds__ allows, 65536 / THREADS rounded down to 8); an increase beyond it never returns.
 constexpr int REG_PROD = NWG == 3 ? 32 : 24;
-constexpr int REG_CONS = NWG == 4 ? 120 : NWG == 3 ? 160 : 240;
-static_assert(!WS || REG_PROD * 128 + REG_CONS * 128 * NWG <= 65536, "register budget");
+constexpr int REG_CONS = NWG == 3 ? 160 : 240;
+static_assert(!WS || REG_PROD * 128 + REG_CONS * 128 * NWG <= THREADS * (65536 / THREADS / 8 * 8), "register budget");
 
 #define KL_INF __int_as_float(0x7f800000)
 #define KL_LN2 0.6931471805599453f
