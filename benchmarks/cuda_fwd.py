@@ -39,6 +39,9 @@ VARIANTS = {
     # each consumer overlaps its own GEMMs and updates (tile i's S1 GEMM under tile i - 1's S2 update)
     "f-overlap": dict(NWG=2, BN=128, STAGES=2, WS=1, PINGPONG=0, OVERLAP=1),
     "f-3wg64-overlap": SHIPPED,
+    # S2's fast-side exponentials of 1 or 2 of a row's 8 column pairs on the FMA pipe (ex2_poly)
+    "p-poly1of8": dict(SHIPPED, POLY2=1),
+    "p-poly2of8": dict(SHIPPED, POLY2=2),
     "x-noexp": dict(SHIPPED, ABLATE=1),
     "x-onegemm": dict(SHIPPED, ABLATE=2),
     "x-2stage": dict(SHIPPED, STAGES=2),

@@ -92,6 +92,12 @@
 #ifndef OVERLAP
 #define OVERLAP 0
 #endif
+// POLY2 (a variant, timed by benchmarks/cuda_fwd.py): of the BN / 8 column pairs of a thread's
+// row, how many take ex2_poly (the FMA pipe) instead of MUFU in S2's fast side.
+#ifndef POLY2
+#define POLY2 0
+#endif
+static_assert(POLY2 >= 0 && POLY2 <= BN / 8 && (POLY2 == 0 || (BN / 8) % POLY2 == 0), "POLY2: a divisor of BN / 8");
 static_assert(!OVERLAP || !PINGPONG, "OVERLAP replaces ping-pong");
 // ABLATE (measurement only, for docs/cuda.md's ablations; the results are wrong): 1 runs no
 // exponential (e = t), 2 issues no S2 GEMM.
@@ -380,7 +386,10 @@ KL_DEV void update2(const float* e1, const float* x2, Row* r, const int* lim, bo
       for (int j = 0; j < BN / 8; ++j) {
         const int x = KL_IDX(j, i, 0), y = KL_IDX(j, i, 1);
         float ex, ey;
-        ex = ex2(x2[x]), ey = ex2(x2[y]);
+        if (POLY2 > 0 && j % (BN / 8 / (POLY2 > 0 ? POLY2 : 1)) == 0)
+          ex = ex2_poly(x2[x]), ey = ex2_poly(x2[y]);
+        else
+          ex = ex2(x2[x]), ey = ex2(x2[y]);
         if (MASK) {
           ex = 8 * j < lim[i] ? ex : 0.f;
           ey = 8 * j + 1 < lim[i] ? ey : 0.f;
