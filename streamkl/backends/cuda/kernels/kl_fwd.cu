@@ -417,6 +417,14 @@ KL_DEV void update2(const float* e1, const float* x2, Row* r, const int* lim, bo
   }
 }
 
+// update2 on a masked (ragged or causal-frontier) tile or an unmasked one.
+KL_DEV void update2_tile(bool masked, const float* e1, const float* x2, Row* r, const int* lim, bool first) {
+  if (masked)
+    update2<true>(e1, x2, r, lim, first);
+  else
+    update2<false>(e1, x2, r, lim, first);
+}
+
 KL_DEV float quad_max(float x) {
   x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
   return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
@@ -515,10 +523,7 @@ KL_DEV void consume(const Params& p, const Span& sp, int c, int tid, unsigned ba
     wgmma_commit();
 #if OVERLAP
     if (i > 0) {
-      if (prev_masked)
-        update2<true>(e1, x2, r, prev_rel, i == 1);
-      else
-        update2<false>(e1, x2, r, prev_rel, i == 1);
+      update2_tile(prev_masked, e1, x2, r, prev_rel, i == 1);
     }
     __syncwarp();  // the per-thread fast / exact choice reconverges before wgmma (.aligned)
     wgmma_fence();
@@ -554,19 +559,13 @@ KL_DEV void consume(const Params& p, const Span& sp, int c, int tid, unsigned ba
 #if OVERLAP
     prev_masked = masked, prev_rel[0] = rel[0], prev_rel[1] = rel[1];
 #else
-    if (masked)
-      update2<true>(e1, x2, r, rel, i == 0);
-    else
-      update2<false>(e1, x2, r, rel, i == 0);
+    update2_tile(masked, e1, x2, r, rel, i == 0);
     __syncwarp();  // and before the next tile's bar.sync and wgmma
 #endif
   }
 #if OVERLAP
   if (n > 0) {
-    if (prev_masked)
-      update2<true>(e1, x2, r, prev_rel, n == 1);
-    else
-      update2<false>(e1, x2, r, prev_rel, n == 1);
+    update2_tile(prev_masked, e1, x2, r, prev_rel, n == 1);
   }
 #endif
   finish(p, r, rows, sp.nq, lane, sp.out0, split);
