@@ -97,7 +97,7 @@
 #ifndef POLY2
 #define POLY2 0
 #endif
-static_assert(POLY2 >= 0 && POLY2 <= BN / 8 && (POLY2 == 0 || (BN / 8) % POLY2 == 0), "POLY2: a divisor of BN / 8");
+static_assert(POLY2 >= 0 && POLY2 <= BN / 8 && (BN / 8) % (POLY2 > 0 ? POLY2 : 1) == 0, "POLY2: a divisor of BN / 8");
 static_assert(!OVERLAP || !PINGPONG, "OVERLAP replaces ping-pong");
 // ABLATE (measurement only, for docs/cuda.md's ablations; the results are wrong): 1 runs no
 // exponential (e = t), 2 issues no S2 GEMM.
