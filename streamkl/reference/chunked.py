@@ -1,17 +1,19 @@
 """The reference computation. For each chunk of query rows (all batches and heads at once):
 
     S_t = scale_t * q_t[rows] @ k_t^T                         (masked to the visible keys)
-    LSE_t = logsumexp(S_t);  P1 = exp(S1 - LSE1)
-    KL = sum_j P1 * ((S1 - LSE1) - (S2 - LSE2))                (the same value as
+    log P_t = (S_t - max S_t) - log sum exp(S_t - max S_t);  LSE_t = max S_t + log sum ...
+    KL = sum_j P1 * (log P1 - log P2)                          (the same value as
                                                                 sum P1 (S1 - S2) - LSE1 + LSE2
                                                                 of docs/contract.md, Definition,
                                                                 without the cancellation)
-backward:  dS2 = g (P2 - P1);  dS1 = g P1 ((S1 - LSE1) - (S2 - LSE2) - KL)
+backward:  log P_t recomputed per chunk as above (the returned LSEs are not read: S - LSE in one
+           step would round at |LSE|);  dS2 = g (P2 - P1);  dS1 = g P1 (log P1 - log P2 - KL)
            dq_t = scale_t dS_t @ k_t;  dk_t += scale_t dS_t^T @ q_t   (summed over GQA groups)
 
 Memory (docs/contract.md, Memory): a chunk of rows holds at most _LIVE_CHUNK_TEMPS temporaries of
 (B, H, rows, Nk) in the compute dtype at once (forward: logp2, logp1, p1, or logp2, logits1 and
-the exp inside its logsumexp; backward: logp2, p1 and dS1), every other step works in place.
+the exp inside its log-softmax; backward: logp2, p1 and dS1, or logp1, logits2 and that exp),
+every other step works in place.
 The default chunk keeps the working set within the two dense Nq x Nk matrices and the chunk's
 temporaries within _CHUNK_BYTES; see _chunk_rows for what else a call holds.
 """
@@ -103,19 +105,19 @@ def _hidden(row0, nrows, nq, nk, causal, device):
     return cols > rows + (nk - nq)
 
 
-def _lse(s):
-    """logsumexp over the last axis (-inf for a row that sees no key) with one temporary of s's
-    size; torch.logsumexp holds two inside one call."""
+def _log_softmax_(s, hidden):
+    """In place: s becomes log P = (s - m) - log sum exp(s - m), 0 where hidden; returns the
+    row's logsumexp m + log sum (-inf for a row that sees no key, whose log P is all 0). The max
+    is subtracted first, exactly where s is near it, so log P keeps float32's relative accuracy
+    at large logits (s - LSE in one step would round at |LSE|). One temporary of s's size;
+    torch.log_softmax and logsumexp would hold two together."""
     m = s.amax(-1, keepdim=True)
     m = m.masked_fill(torch.isinf(m), 0.0)
-    total = torch.sub(s, m).exp_().sum(-1)
-    return total.log_().add_(m.squeeze(-1))
-
-
-def _log_probs_(s, lse, hidden):
-    """In place: s - lse, 0 where hidden. Empty rows (lse = -inf) shift by 0, so nothing becomes NaN."""
-    s.sub_(torch.nan_to_num(lse, neginf=0.0)[..., None])
-    return s if hidden is None else s.masked_fill_(hidden, 0.0)
+    log_total = s.sub_(m).exp().sum(-1, keepdim=True).log_()
+    s.sub_(torch.nan_to_num(log_total, neginf=0.0))
+    if hidden is not None:
+        s.masked_fill_(hidden, 0.0)
+    return log_total.add_(m).squeeze(-1)
 
 
 def _forward_dense_rows(q1, k1, q2, k2, causal, scale1, scale2, kl, lse1, lse2):
@@ -127,11 +129,9 @@ def _forward_dense_rows(q1, k1, q2, k2, causal, scale1, scale2, kl, lse1, lse2):
         rows = slice(row0, min(row0 + chunk, nq))
         hidden = _hidden(row0, rows.stop - row0, nq, nk, causal, q1.device)
         logp2 = _logits(q2, k2, rows, scale2, dtype, hidden)
-        l2 = _lse(logp2)
-        _log_probs_(logp2, l2, hidden)
+        l2 = _log_softmax_(logp2, hidden)
         logp1 = _logits(q1, k1, rows, scale1, dtype, hidden)
-        l1 = _lse(logp1)
-        _log_probs_(logp1, l1, hidden)
+        l1 = _log_softmax_(logp1, hidden)
         p1 = logp1.exp()
         if hidden is not None:
             p1.masked_fill_(hidden, 0.0)
@@ -157,9 +157,7 @@ def forward(q1, k1, q2, k2, *, causal, scale1, scale2, cu_seqlens=None, max_seql
     return kl, lse1, lse2
 
 
-def _backward_dense_rows(
-    grad, q1, k1, q2, k2, kl, lse1, lse2, causal, scale1, scale2, needs, grads, dtype, held
-):
+def _backward_dense_rows(grad, q1, k1, q2, k2, kl, causal, scale1, scale2, needs, grads, dtype, held):
     b, h, nq, d1 = q1.shape
     nk, d2 = k1.shape[2], q2.shape[3]
     dq1, dk1, dq2, dk2 = grads
@@ -170,9 +168,12 @@ def _backward_dense_rows(
         rows = slice(row0, min(row0 + chunk, nq))
         hidden = _hidden(row0, rows.stop - row0, nq, nk, causal, q1.device)
         g = grad[:, :, rows, None].to(dtype)
-        logp1 = _log_probs_(_logits(q1, k1, rows, scale1, dtype, hidden), lse1[:, :, rows], hidden)
-        logp2 = _log_probs_(_logits(q2, k2, rows, scale2, dtype, hidden), lse2[:, :, rows], hidden)
-        empty = torch.isneginf(lse1[:, :, rows])[..., None]  # rows that see no key
+        # log P from the chunk's own rows, as the forward has it, not from the stored LSE (which
+        # would put float32's rounding at |LSE| on every P: ~1e-4 relative at |S| ~ 1e3).
+        logp1 = _logits(q1, k1, rows, scale1, dtype, hidden)
+        empty = torch.isneginf(_log_softmax_(logp1, hidden))[..., None]  # rows that see no key
+        logp2 = _logits(q2, k2, rows, scale2, dtype, hidden)
+        _log_softmax_(logp2, hidden)
         p1 = logp1.exp()
         if hidden is not None:
             p1.masked_fill_(hidden, 0.0)
@@ -238,6 +239,6 @@ def backward(
     )
     if k1.shape[2] > 0 and kl.numel() > 0 and any(needs):
         for seq in _segments(cu_seqlens, q1.shape[2]):
-            part = _sliced(seq, grad_kl, *inputs, kl, lse1, lse2, *acc)
-            _backward_dense_rows(*part[:8], causal, scale1, scale2, needs, part[8:], dtype, held)
+            part = _sliced(seq, grad_kl, *inputs, kl, *acc)  # lse1, lse2 unread: rows recompute log P
+            _backward_dense_rows(*part[:6], causal, scale1, scale2, needs, part[6:], dtype, held)
     return tuple(None if a is None else a.to(t.dtype) for a, t in zip(acc, inputs))
