@@ -120,6 +120,12 @@ def _log_softmax_(s, hidden):
     return log_total.add_(m).squeeze(-1)
 
 
+def _log_probs_(s, lse, hidden):
+    """In place: s - lse, 0 where hidden. Empty rows (lse = -inf) shift by 0, so nothing becomes NaN."""
+    s.sub_(torch.nan_to_num(lse, neginf=0.0)[..., None])
+    return s if hidden is None else s.masked_fill_(hidden, 0.0)
+
+
 def _forward_dense_rows(q1, k1, q2, k2, causal, scale1, scale2, kl, lse1, lse2):
     b, h, nq, d1 = q1.shape
     nk, d2 = k1.shape[2], q2.shape[3]
@@ -157,7 +163,9 @@ def forward(q1, k1, q2, k2, *, causal, scale1, scale2, cu_seqlens=None, max_seql
     return kl, lse1, lse2
 
 
-def _backward_dense_rows(grad, q1, k1, q2, k2, kl, causal, scale1, scale2, needs, grads, dtype, held):
+def _backward_dense_rows(
+    grad, q1, k1, q2, k2, kl, lse1, lse2, causal, scale1, scale2, needs, grads, dtype, held
+):
     b, h, nq, d1 = q1.shape
     nk, d2 = k1.shape[2], q2.shape[3]
     dq1, dk1, dq2, dk2 = grads
@@ -168,12 +176,9 @@ def _backward_dense_rows(grad, q1, k1, q2, k2, kl, causal, scale1, scale2, needs
         rows = slice(row0, min(row0 + chunk, nq))
         hidden = _hidden(row0, rows.stop - row0, nq, nk, causal, q1.device)
         g = grad[:, :, rows, None].to(dtype)
-        # log P from the chunk's own rows, as the forward has it, not from the stored LSE (which
-        # would put float32's rounding at |LSE| on every P: ~1e-4 relative at |S| ~ 1e3).
-        logp1 = _logits(q1, k1, rows, scale1, dtype, hidden)
-        empty = torch.isneginf(_log_softmax_(logp1, hidden))[..., None]  # rows that see no key
-        logp2 = _logits(q2, k2, rows, scale2, dtype, hidden)
-        _log_softmax_(logp2, hidden)
+        logp1 = _log_probs_(_logits(q1, k1, rows, scale1, dtype, hidden), lse1[:, :, rows], hidden)
+        logp2 = _log_probs_(_logits(q2, k2, rows, scale2, dtype, hidden), lse2[:, :, rows], hidden)
+        empty = torch.isneginf(lse1[:, :, rows])[..., None]  # rows that see no key
         p1 = logp1.exp()
         if hidden is not None:
             p1.masked_fill_(hidden, 0.0)
@@ -239,6 +244,6 @@ def backward(
     )
     if k1.shape[2] > 0 and kl.numel() > 0 and any(needs):
         for seq in _segments(cu_seqlens, q1.shape[2]):
-            part = _sliced(seq, grad_kl, *inputs, kl, *acc)  # lse1, lse2 unread: rows recompute log P
-            _backward_dense_rows(*part[:6], causal, scale1, scale2, needs, part[6:], dtype, held)
+            part = _sliced(seq, grad_kl, *inputs, kl, lse1, lse2, *acc)
+            _backward_dense_rows(*part[:8], causal, scale1, scale2, needs, part[8:], dtype, held)
     return tuple(None if a is None else a.to(t.dtype) for a, t in zip(acc, inputs))
