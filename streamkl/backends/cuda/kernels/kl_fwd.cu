@@ -107,7 +107,7 @@ static_assert(!OVERLAP || !PINGPONG, "OVERLAP replaces ping-pong");
 
 static_assert(D1P == 64 || D1P == 128, "D1P: 64 or 128");
 static_assert(D2P == 64 || D2P == 128, "D2P: 64 or 128");
-static_assert(BN == 64 || BN == 96 || BN == 128, "BN: 64, 96 or 128");
+static_assert(BN == 64 || BN == 128, "BN: 64 or 128");
 static_assert(NWG >= 1 && NWG <= 3, "NWG: 1 to 3 consumer warpgroups");
 static_assert(!PINGPONG || (WS && NWG >= 2), "ping-pong needs a producer and two consumers");
 
@@ -196,8 +196,6 @@ KL_DEV void gemm(float* s, unsigned long long dq, unsigned long long dk) {
     const unsigned long long db = smem_desc_add(dk, (kk / 4) * (BN * 128) + (kk % 4) * 32);
 #if BN == 128
     if (kk == 0) wgmma_m64n128k16<false>(s, da, db); else wgmma_m64n128k16<true>(s, da, db);
-#elif BN == 96
-    if (kk == 0) wgmma_m64n96k16<false>(s, da, db); else wgmma_m64n96k16<true>(s, da, db);
 #else
     if (kk == 0) wgmma_m64n64k16<false>(s, da, db); else wgmma_m64n64k16<true>(s, da, db);
 #endif
@@ -247,15 +245,22 @@ KL_DEV float row_max(const float* s, int i, float c, int lim) {
   return fabsf(c) * ext;
 }
 
+// Zeroes a thread's exponentials of columns 8 j and 8 j + 1 on invalid keys (visible iff
+// 8 j + k < lim) when MASK.
+template <bool MASK>
+KL_DEV void mask_pair(int j, int lim, float& ex, float& ey) {
+  if (MASK) {
+    ex = 8 * j < lim ? ex : 0.f;
+    ey = 8 * j + 1 < lim ? ey : 0.f;
+  }
+}
+
 // The exponentials 2^(c s - m) (nm = -m) of a thread's columns 8 j and 8 j + 1 of row i, zero on
 // invalid keys (MASK: visible iff 8 j + k < lim).
 template <bool MASK>
 KL_DEV void exp_pair(const float* s, int i, int j, float c, float nm, int lim, float& ex, float& ey) {
   ex = ex2(fmaf(s[KL_IDX(j, i, 0)], c, nm)), ey = ex2(fmaf(s[KL_IDX(j, i, 1)], c, nm));
-  if (MASK) {
-    ex = 8 * j < lim ? ex : 0.f;
-    ey = 8 * j + 1 < lim ? ey : 0.f;
-  }
+  mask_pair<MASK>(j, lim, ex, ey);
 }
 
 struct Row {
@@ -390,10 +395,7 @@ KL_DEV void update2(const float* e1, const float* x2, Row* r, const int* lim, bo
           ex = ex2_poly(x2[x]), ey = ex2_poly(x2[y]);
         else
           ex = ex2(x2[x]), ey = ex2(x2[y]);
-        if (MASK) {
-          ex = 8 * j < lim[i] ? ex : 0.f;
-          ey = 8 * j + 1 < lim[i] ? ey : 0.f;
-        }
+        mask_pair<MASK>(j, lim[i], ex, ey);
         sums[4 * i] += ex, sums[4 * i + 1] += ey;
         sums[4 * i + 2] = fmaf(e1[x], x2[x], sums[4 * i + 2]), sums[4 * i + 3] = fmaf(e1[y], x2[y], sums[4 * i + 3]);
       }
@@ -508,9 +510,11 @@ KL_DEV void consume(const Params& p, const Span& sp, int c, int tid, unsigned ba
     }
     return;  // (never warpgroup 0, which refills the ring when WS = 0: m0 < Nq)
   }
-  // OVERLAP: tile i - 1's S2 update runs under tile i's S1 GEMM (prev_* are its mask and limits).
+#if OVERLAP
+  // Tile i - 1's S2 update runs under tile i's S1 GEMM: prev_* are its mask and limits.
   bool prev_masked = false;
   int prev_rel[2] = {0, 0};
+#endif
   for (int i = 0; i < n; ++i) {
     const int t = t0 + i, stage = i % STAGES;
     const unsigned phase = (i / STAGES) & 1;
