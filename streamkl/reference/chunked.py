@@ -6,14 +6,13 @@
                                                                 sum P1 (S1 - S2) - LSE1 + LSE2
                                                                 of docs/contract.md, Definition,
                                                                 without the cancellation)
-backward:  log P_t recomputed per chunk as above (the returned LSEs are not read: S - LSE in one
-           step would round at |LSE|);  dS2 = g (P2 - P1);  dS1 = g P1 (log P1 - log P2 - KL)
+backward:  log P_t = S_t - LSE_t from the LSEs it is given (context parallelism passes the merged,
+           global ones);  dS2 = g (P2 - P1);  dS1 = g P1 (log P1 - log P2 - KL)
            dq_t = scale_t dS_t @ k_t;  dk_t += scale_t dS_t^T @ q_t   (summed over GQA groups)
 
 Memory (docs/contract.md, Memory): a chunk of rows holds at most _LIVE_CHUNK_TEMPS temporaries of
 (B, H, rows, Nk) in the compute dtype at once (forward: logp2, logp1, p1, or logp2, logits1 and
-the exp inside its log-softmax; backward: logp2, p1 and dS1, or logp1, logits2 and that exp),
-every other step works in place.
+the exp inside its log-softmax; backward: logp2, p1 and dS1), every other step works in place.
 The default chunk keeps the working set within the two dense Nq x Nk matrices and the chunk's
 temporaries within _CHUNK_BYTES; see _chunk_rows for what else a call holds.
 """
