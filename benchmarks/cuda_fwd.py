@@ -39,15 +39,24 @@ VARIANTS = {
     # each consumer overlaps its own GEMMs and updates (tile i's S1 GEMM under tile i - 1's S2 update)
     "f-overlap": dict(NWG=2, BN=128, STAGES=2, WS=1, PINGPONG=0, OVERLAP=1),
     "f-3wg64-overlap": SHIPPED,
-    # S2's fast-side exponentials of 1 or 2 of a row's 8 column pairs on the FMA pipe (ex2_poly)
+    # S2's fast-side exponentials of 1 to 3 of a row's 8 column pairs on the FMA pipe (ex2_poly)
     "p-poly1of8": dict(SHIPPED, POLY2=1),
     "p-poly2of8": dict(SHIPPED, POLY2=2),
+    "p-poly3of8": dict(SHIPPED, POLY2=3),
+    # Q1, Q2 or both in registers (the A operand of their GEMM read once, not per key tile)
+    "r-q1regs": dict(SHIPPED, QREGS=1),
+    "r-q2regs": dict(SHIPPED, QREGS=2),
+    "r-q1regs-poly1of8": dict(SHIPPED, QREGS=1, POLY2=1),
+    "r-q12regs": dict(SHIPPED, QREGS=3),
+    "r-q12regs-poly2of8": dict(SHIPPED, QREGS=3, POLY2=2),
     "x-noexp": dict(SHIPPED, ABLATE=1),
     "x-onegemm": dict(SHIPPED, ABLATE=2),
     "x-2stage": dict(SHIPPED, STAGES=2),
 }
 ABLATIONS = tuple(v for v in VARIANTS if v.startswith("x-"))
 TIMED_AT_D64 = tuple(v for v in VARIANTS if v != "a-plain")
+# both Qs in registers fit the consumers' 160 registers at D = 64 only
+TIMED_AT_D128 = tuple(v for v in VARIANTS if not v.startswith("r-q12"))
 # (b, h, hk1, hk2, nq, nk, d1, d2, layout, causal, dtype[, dict(std=, scale1=, scale2=, lengths=)]):
 # std scales the random inputs (std 50 at D = 128: |S * scale| up to ~1e4), the scales default to
 # 1 / sqrt(d); lengths packs sequences of those lengths (cu_seqlens; nq = nk = their sum).
@@ -272,7 +281,8 @@ def main():
     for d in (128, 64):
         for n in sizes if d == 128 else sizes[:1]:
             for causal in (False, True):
-                row = time_shape(d, n, causal, good if d == 128 else [v for v in good if v in TIMED_AT_D64])
+                timed = TIMED_AT_D128 if d == 128 else TIMED_AT_D64
+                row = time_shape(d, n, causal, [v for v in good if v in timed])
                 rows.append(row)
                 out["timings"].append(row)
                 print(row, flush=True)

@@ -93,11 +93,17 @@
 #define OVERLAP 0
 #endif
 // POLY2 (a variant, timed by benchmarks/cuda_fwd.py): of the BN / 8 column pairs of a thread's
-// row, how many take ex2_poly (the FMA pipe) instead of MUFU in S2's fast side.
+// row, how many (spread evenly) take ex2_poly (the FMA pipe) instead of MUFU in S2's fast side.
 #ifndef POLY2
 #define POLY2 0
 #endif
-static_assert(POLY2 >= 0 && POLY2 <= BN / 8 && (BN / 8) % (POLY2 > 0 ? POLY2 : 1) == 0, "POLY2: a divisor of BN / 8");
+static_assert(POLY2 >= 0 && POLY2 <= BN / 8, "POLY2: 0 to BN / 8 column pairs");
+// QREGS (a variant): bit 1 keeps Q1, bit 2 Q2 of the consumer's rows in registers, read once from
+// shared memory, so the GEMM's A operand costs no shared-memory bandwidth per tile.
+#ifndef QREGS
+#define QREGS 0
+#endif
+static_assert(QREGS == 0 || BN == 64, "QREGS: 64-key tiles");
 static_assert(!OVERLAP || !PINGPONG, "OVERLAP replaces ping-pong");
 // ABLATE (measurement only, for docs/cuda.md's ablations; the results are wrong): 1 runs no
 // exponential (e = t), 2 issues no S2 GEMM.
@@ -199,6 +205,32 @@ KL_DEV void gemm(float* s, unsigned long long dq, unsigned long long dk) {
 #else
     if (kk == 0) wgmma_m64n64k16<false>(s, da, db); else wgmma_m64n64k16<true>(s, da, db);
 #endif
+  }
+}
+
+// The thread's A fragments of a consumer's 64 x DP Q tile (at q, 128-byte-swizzled 64-column
+// slabs): per k-step kk, rows 16 w + lane / 4 (+ 8) and columns 16 kk + 2 (lane % 4) (+ 8).
+template <int DP>
+KL_DEV void load_qfrag(unsigned* a, unsigned q, int warp, int lane) {
+  const int g = lane / 4, r = 16 * warp + g;
+#pragma unroll
+  for (int kk = 0; kk < DP / 16; ++kk) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {  // columns 16 kk + 8 h + 2 (lane % 4): chunk 2 (kk % 4) + h of the row
+      const unsigned off = (kk / 4) * SLAB + ((((2 * (kk % 4) + h) ^ g) << 4) | (4 * (lane % 4)));
+      a[4 * kk + 2 * h] = lds32(q + off + r * 128);
+      a[4 * kk + 2 * h + 1] = lds32(q + off + (r + 8) * 128);
+    }
+  }
+}
+
+// S (64 x 64) = Q (A fragments a) . K^T (descriptor dk).
+template <int DP>
+KL_DEV void gemm_rs(float* s, const unsigned* a, unsigned long long dk) {
+#pragma unroll
+  for (int kk = 0; kk < DP / 16; ++kk) {
+    const unsigned long long db = smem_desc_add(dk, (kk / 4) * (BN * 128) + (kk % 4) * 32);
+    if (kk == 0) wgmma_m64n64k16_rs<false>(s, a + 4 * kk, db); else wgmma_m64n64k16_rs<true>(s, a + 4 * kk, db);
   }
 }
 
@@ -391,7 +423,7 @@ KL_DEV void update2(const float* e1, const float* x2, Row* r, const int* lim, bo
       for (int j = 0; j < BN / 8; ++j) {
         const int x = KL_IDX(j, i, 0), y = KL_IDX(j, i, 1);
         float ex, ey;
-        if (POLY2 > 0 && j % (BN / 8 / (POLY2 > 0 ? POLY2 : 1)) == 0)
+        if ((j * POLY2) % (BN / 8) < POLY2)
           ex = ex2_poly(x2[x]), ey = ex2_poly(x2[y]);
         else
           ex = ex2(x2[x]), ey = ex2(x2[y]);
@@ -496,6 +528,14 @@ KL_DEV void consume(const Params& p, const Span& sp, int c, int tid, unsigned ba
   const unsigned long long dq1 = smem_desc(base + OFF_Q1 + c * Q1_WG), dq2 = smem_desc(base + OFF_Q2 + c * Q2_WG);
   const unsigned long long dk1 = smem_desc(base + OFF_K1), dk2 = smem_desc(base + OFF_K2);
   mbar_wait(bar_q, 0);
+#if QREGS & 1
+  unsigned qa1[D1P / 4];
+  load_qfrag<D1P>(qa1, base + OFF_Q1 + c * Q1_WG, warp, lane);
+#endif
+#if QREGS & 2
+  unsigned qa2[D2P / 4];
+  load_qfrag<D2P>(qa2, base + OFF_Q2 + c * Q2_WG, warp, lane);
+#endif
 #if PINGPONG
   if (c == NWG - 1 && n > 0) named_arrive(1, 256);  // the first turn is warpgroup 0's
 #endif
@@ -523,7 +563,11 @@ KL_DEV void consume(const Params& p, const Span& sp, int c, int tid, unsigned ba
     named_sync(1 + c, 256);
 #endif
     wgmma_fence();
+#if QREGS & 1
+    gemm_rs<D1P>(s1, qa1, smem_desc_add(dk1, stage * K1_ST));
+#else
     gemm<D1P>(s1, dq1, smem_desc_add(dk1, stage * K1_ST));
+#endif
     wgmma_commit();
 #if OVERLAP
     if (i > 0) {
@@ -533,7 +577,11 @@ KL_DEV void consume(const Params& p, const Span& sp, int c, int tid, unsigned ba
     wgmma_fence();
 #endif
 #if ABLATE != 2
+#if QREGS & 2
+    gemm_rs<D2P>(s2, qa2, smem_desc_add(dk2, stage * K2_ST));
+#else
     gemm<D2P>(s2, dq2, smem_desc_add(dk2, stage * K2_ST));
+#endif
 #endif
     wgmma_commit();
 #if PINGPONG

@@ -156,3 +156,28 @@ KL_DEV float ex2_poly(float x) {
   }
 KL_WGMMA(128, "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}", "%64", "%65", KL_OPS64)
 KL_WGMMA(64, "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}", "%32", "%33", KL_OPS32)
+
+// wgmma m64n64k16 with A from registers: a[4] holds the thread's four bf16/f16 pairs of the 64 x 16
+// A tile in the mma.m16n8k16 A-fragment layout (warp w: rows 16 w + lane / 4 (+ 8), columns
+// 2 (lane % 4) (+ 8)), B as above. The registers of a must not change while the GEMM is in flight.
+template <bool ACC>
+KL_DEV void wgmma_m64n64k16_rs(float* d, const unsigned* a, unsigned long long desc_b) {
+  if constexpr (ACC)
+    asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32." KL_AB "." KL_AB
+                 " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20,"
+                 " %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, 1, 1, 1, 0;\n"
+                 : KL_OPS32(KL_RW)
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
+  else
+    asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32." KL_AB "." KL_AB
+                 " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20,"
+                 " %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, 0, 1, 1, 0;\n"
+                 : KL_OPS32(KL_WO)
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
+}
+
+KL_DEV unsigned lds32(unsigned addr) {
+  unsigned v;
+  asm volatile("ld.shared.b32 %0, [%1];" : "=r"(v) : "r"(addr));
+  return v;
+}
