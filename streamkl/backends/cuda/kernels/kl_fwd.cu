@@ -505,26 +505,19 @@ KL_DEV void finish(const Params& p, const Row* r, const int* rows, int nq, int l
   }
 }
 
-// A consumer's thread 0 gives back the stage of its i-th tile. With a producer: one arrival on the
-// stage's empty barrier. Without one: one more release counted for the stage (shared memory);
-// the consumer whose release was the stage's last refills it (refill), so no warpgroup waits for
-// another. Returns the count before this release.
-KL_DEV unsigned release(unsigned base, int i) {
-  unsigned old = 0;
+// A consumer's thread 0 gives back the stage of its i-th tile (key tile t). With a producer: one
+// arrival on the stage's empty barrier. Without one: a count of releases per stage (cnt, shared
+// memory), and the consumer whose release is the stage's last refills it with tile t + STAGES, so
+// no warpgroup waits for another's.
+KL_DEV void release(const Params& p, const Span& sp, unsigned base, int i, int t, int n, int h1, int h2) {
+  const unsigned full = base + OFF_BAR + 8;
 #if WS
-  mbar_arrive(base + OFF_BAR + 8 + 8 * STAGES + 8 * (i % STAGES));  // empty[i % STAGES]
+  mbar_arrive(full + 8 * STAGES + 8 * (i % STAGES));  // empty[i % STAGES]
 #else
+  unsigned old;
   asm volatile("atom.shared.add.u32 %0, [%1], 1;" : "=r"(old) : "r"(base + OFF_CNT + 4 * (i % STAGES)) : "memory");
+  if (old % NWG == NWG - 1 && i + STAGES < n) load_k(p, base, full, sp.row0, t + STAGES, i + STAGES, h1, h2, sp.bq);
 #endif
-  return old;
-}
-
-// Without a producer: loads key tile t + STAGES into the stage of the i-th tile when this
-// consumer released it last (old, release's count). Called a GEMM later, so the atomic's latency
-// and the load's issue run under a GEMM in flight.
-KL_DEV void refill(const Params& p, const Span& sp, unsigned base, unsigned old, int i, int t, int n, int h1, int h2) {
-  if (!WS && old % NWG == NWG - 1 && i + STAGES < n)
-    load_k(p, base, base + OFF_BAR + 8, sp.row0, t + STAGES, i + STAGES, h1, h2, sp.bq);
 }
 
 // Runs key tiles [t0, t0 + n) of its rows (all of them: n_tiles, split 0, without split-K).
@@ -569,7 +562,7 @@ KL_DEV void consume(const Params& p, const Span& sp, int c, int tid, unsigned ba
       named_sync(1 + c, 256);
       if (!(c == NWG - 1 && i == n - 1)) named_arrive(1 + (c + 1) % NWG, 256);
 #endif
-      if (tid == 0) refill(p, sp, base, release(base, i), i, t0 + i, n, h1, h2);
+      if (tid == 0) release(p, sp, base, i, t0 + i, n, h1, h2);
       __syncwarp();
     }
     return;
@@ -578,9 +571,6 @@ KL_DEV void consume(const Params& p, const Span& sp, int c, int tid, unsigned ba
   // Tile i - 1's S2 update runs under tile i's S1 GEMM: prev_* are its mask and limits.
   bool prev_masked = false;
   int prev_rel[2] = {0, 0};
-#endif
-#if !WS
-  unsigned released = 0;  // release's count of the previous tile (thread 0)
 #endif
   for (int i = 0; i < n; ++i) {
     const int t = t0 + i, stage = i % STAGES;
@@ -596,10 +586,6 @@ KL_DEV void consume(const Params& p, const Span& sp, int c, int tid, unsigned ba
     gemm<D1P>(s1, dq1, smem_desc_add(dk1, stage * K1_ST));
 #endif
     wgmma_commit();
-#if !WS
-    if (tid == 0 && i > 0) refill(p, sp, base, released, i - 1, t - 1, n, h1, h2);
-    __syncwarp();
-#endif
 #if OVERLAP
     if (i > 0) {
       update2_tile(prev_masked, e1, x2, r, prev_rel, i == 1);
@@ -630,10 +616,9 @@ KL_DEV void consume(const Params& p, const Span& sp, int c, int tid, unsigned ba
     __syncwarp();  // the per-thread fast / exact choice reconverges before wgmma.wait (.aligned)
     wgmma_wait<0>();
     fence_regs<NR>(s2);
-#if WS
-    if (tid == 0) release(base, i);
-#else
-    if (tid == 0) released = release(base, i);
+    if (tid == 0) release(p, sp, base, i, t, n, h1, h2);
+#if !WS
+    __syncwarp();  // warp 0 reconverges before its next wgmma (.sync.aligned)
 #endif
     scores2(s2, x2, r, p.c2);
 #if OVERLAP
