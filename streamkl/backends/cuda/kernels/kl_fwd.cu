@@ -13,8 +13,8 @@
 //   WS = 1: warpgroup 0 is the producer (setmaxnreg.dec; one thread issues every TMA: q1, q2
 //           of the CTA once, then the k1, k2 tiles of each key tile into a STAGES-deep ring);
 //           warpgroups 1..NWG are consumers (setmaxnreg.inc).
-//   WS = 0: NWG consumer warpgroups only; thread 0 issues the first STAGES loads, and the
-//           consumer that releases a stage last refills it (release()).
+//   WS = 0: NWG consumer warpgroups only; thread 0 also issues the loads, refilling the stage
+//           of the tile before its current one once every consumer has released it.
 // Consumer warpgroup c owns query rows [m0 + 64c, m0 + 64c + 64) and, per key tile of BN keys,
 //   computes S1 = Q1 K1^T and S2 = Q2 K2^T (64 x BN fp32 each, wgmma m64nBNk16, both operands
 //   read from shared memory) as two commit groups, runs the online update of S1 while the S2
@@ -57,7 +57,7 @@
 //   SW128 layout). Keys past Nk and rows past Nq arrive as zeros; masked tiles (the ragged last
 //   key tile and the causal frontier) exclude their invalid keys explicitly.
 // Barriers: q_full (count 1, tx = Q bytes), full[s] (count 1, tx = K1 + K2 tile bytes),
-//   empty[s] (count NWG: one arrival per consumer warpgroup; WS = 0 counts releases instead).
+//   empty[s] (count NWG: one arrival per consumer warpgroup).
 // Reads q1, k1, q2, k2 through 4-D tensor maps {D, N, heads, B} built from the tensors' strides
 //   (query head h reads key head h / g); writes kl, lse1, lse2 ([B, H, Nq] float32) of its rows,
 //   kl = 0 and lse = -inf on rows that see no key (splits > 1: part, [splits, B * H * Nq, 6]).
@@ -115,6 +115,7 @@ static_assert(D1P == 64 || D1P == 128, "D1P: 64 or 128");
 static_assert(D2P == 64 || D2P == 128, "D2P: 64 or 128");
 static_assert(BN == 64 || BN == 128, "BN: 64 or 128");
 static_assert(NWG >= 1 && NWG <= 3 + !WS, "NWG: 1 to 3 consumer warpgroups beside a producer, 4 without");
+static_assert(WS || STAGES >= 2, "WS = 0 refills one tile behind: two stages at least");
 static_assert(!PINGPONG || (WS && NWG >= 2), "ping-pong needs a producer and two consumers");
 
 constexpr int BM = 64 * NWG;
@@ -129,8 +130,7 @@ constexpr unsigned OFF_K1 = OFF_Q2 + NWG * Q2_WG;
 constexpr unsigned OFF_K2 = OFF_K1 + STAGES * K1_ST;
 constexpr unsigned OFF_BAR = OFF_K2 + STAGES * K2_ST;
 // 1024 bytes of slack: the dynamic shared memory base is aligned up to 1024 in the kernel.
-constexpr unsigned OFF_CNT = OFF_BAR + 8 * (1 + 2 * STAGES);  // WS = 0: releases per stage
-constexpr unsigned SMEM_BYTES = OFF_CNT + 4 * STAGES + 1024;
+constexpr unsigned SMEM_BYTES = OFF_BAR + 8 * (1 + 2 * STAGES) + 1024;
 static_assert(SMEM_BYTES <= 232448, "exceeds the 227 KB of shared memory of an sm_90 CTA");
 // setmaxnreg moves registers inside the CTA's launch allocation (THREADS x the per-thread count
 // __launch_bounds__ allows, 65536 / THREADS rounded down to 8); an increase beyond it never returns.
@@ -505,25 +505,10 @@ KL_DEV void finish(const Params& p, const Row* r, const int* rows, int nq, int l
   }
 }
 
-// A consumer's thread 0 gives back the stage of its i-th tile (key tile t). With a producer: one
-// arrival on the stage's empty barrier. Without one: a count of releases per stage (cnt, shared
-// memory), and the consumer whose release is the stage's last refills it with tile t + STAGES, so
-// no warpgroup waits for another's.
-KL_DEV void release(const Params& p, const Span& sp, unsigned base, int i, int t, int n, int h1, int h2) {
-  const unsigned full = base + OFF_BAR + 8;
-#if WS
-  mbar_arrive(full + 8 * STAGES + 8 * (i % STAGES));  // empty[i % STAGES]
-#else
-  unsigned old;
-  asm volatile("atom.shared.add.u32 %0, [%1], 1;" : "=r"(old) : "r"(base + OFF_CNT + 4 * (i % STAGES)) : "memory");
-  if (old % NWG == NWG - 1 && i + STAGES < n) load_k(p, base, full, sp.row0, t + STAGES, i + STAGES, h1, h2, sp.bq);
-#endif
-}
-
 // Runs key tiles [t0, t0 + n) of its rows (all of them: n_tiles, split 0, without split-K).
 KL_DEV void consume(const Params& p, const Span& sp, int c, int tid, unsigned base, int m0, int t0, int n, int h1,
                     int h2, int split) {
-  const unsigned bar_q = base + OFF_BAR, full = bar_q + 8;
+  const unsigned bar_q = base + OFF_BAR, full = bar_q + 8, empty = full + 8 * STAGES;
   const int warp = tid / 32, lane = tid % 32;
   const int r0 = m0 + 64 * c;  // this warpgroup's first row
   const int diag = sp.nk - sp.nq;  // bottom-right causal: row i sees keys j <= i + diag
@@ -562,10 +547,9 @@ KL_DEV void consume(const Params& p, const Span& sp, int c, int tid, unsigned ba
       named_sync(1 + c, 256);
       if (!(c == NWG - 1 && i == n - 1)) named_arrive(1 + (c + 1) % NWG, 256);
 #endif
-      if (tid == 0) release(p, sp, base, i, t0 + i, n, h1, h2);
-      __syncwarp();
+      if (tid == 0) mbar_arrive(empty + 8 * (i % STAGES));
     }
-    return;
+    return;  // (never warpgroup 0, which refills the ring when WS = 0: m0 < Nq)
   }
 #if OVERLAP
   // Tile i - 1's S2 update runs under tile i's S1 GEMM: prev_* are its mask and limits.
@@ -616,8 +600,14 @@ KL_DEV void consume(const Params& p, const Span& sp, int c, int tid, unsigned ba
     __syncwarp();  // the per-thread fast / exact choice reconverges before wgmma.wait (.aligned)
     wgmma_wait<0>();
     fence_regs<NR>(s2);
-    if (tid == 0) release(p, sp, base, i, t, n, h1, h2);
+    if (tid == 0) mbar_arrive(empty + 8 * stage);
 #if !WS
+    // Refills the stage of tile i - 1, which every consumer has most likely released by now
+    // (waiting on tile i's would tie warpgroup 0 to the slowest one).
+    if (c == 0 && tid == 0 && i >= 1 && i - 1 + STAGES < n) {
+      mbar_wait(empty + 8 * ((i - 1) % STAGES), ((i - 1) / STAGES) & 1);
+      load_k(p, base, full, sp.row0, t - 1 + STAGES, i - 1 + STAGES, h1, h2, sp.bq);
+    }
     __syncwarp();  // warp 0 reconverges before its next wgmma (.sync.aligned)
 #endif
     scores2(s2, x2, r, p.c2);
@@ -664,7 +654,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kl_fwd(const __grid_con
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(full + 8 * s, 1);
       mbar_init(empty + 8 * s, NWG);
-      if (!WS) asm volatile("st.shared.u32 [%0], 0;" ::"r"(base + OFF_CNT + 4 * s) : "memory");
     }
     mbar_init_fence();
     tma_prefetch(&p.q1);
