@@ -49,10 +49,6 @@ VARIANTS = {
     "r-q1regs-poly1of8": dict(SHIPPED, QREGS=1, POLY2=1),
     "r-q12regs": dict(SHIPPED, QREGS=3),
     "r-q12regs-poly2of8": dict(SHIPPED, QREGS=3, POLY2=2),
-    # no producer: consumer warpgroup 0's first thread also issues the loads; four consumers (128
-    # registers each, all the launch allows) or three with Q1 in registers
-    "g-4wg-noprod": dict(SHIPPED, NWG=4, WS=0),
-    "g-3wg-noprod-q1regs": dict(SHIPPED, WS=0, QREGS=1),
     "x-noexp": dict(SHIPPED, ABLATE=1),
     "x-onegemm": dict(SHIPPED, ABLATE=2),
     "x-2stage": dict(SHIPPED, STAGES=2),

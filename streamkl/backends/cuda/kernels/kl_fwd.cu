@@ -13,8 +13,8 @@
 //   WS = 1: warpgroup 0 is the producer (setmaxnreg.dec; one thread issues every TMA: q1, q2
 //           of the CTA once, then the k1, k2 tiles of each key tile into a STAGES-deep ring);
 //           warpgroups 1..NWG are consumers (setmaxnreg.inc).
-//   WS = 0: NWG consumer warpgroups only; thread 0 also issues the loads, refilling the stage
-//           of the tile before its current one once every consumer has released it.
+//   WS = 0: NWG consumer warpgroups only; thread 0 also issues the loads, refilling a stage once
+//           every consumer has released it (a plain TMA pipeline, no warp roles).
 // Consumer warpgroup c owns query rows [m0 + 64c, m0 + 64c + 64) and, per key tile of BN keys,
 //   computes S1 = Q1 K1^T and S2 = Q2 K2^T (64 x BN fp32 each, wgmma m64nBNk16, both operands
 //   read from shared memory) as two commit groups, runs the online update of S1 while the S2
@@ -114,8 +114,7 @@ static_assert(!OVERLAP || !PINGPONG, "OVERLAP replaces ping-pong");
 static_assert(D1P == 64 || D1P == 128, "D1P: 64 or 128");
 static_assert(D2P == 64 || D2P == 128, "D2P: 64 or 128");
 static_assert(BN == 64 || BN == 128, "BN: 64 or 128");
-static_assert(NWG >= 1 && NWG <= 3 + !WS, "NWG: 1 to 3 consumer warpgroups beside a producer, 4 without");
-static_assert(WS || STAGES >= 2, "WS = 0 refills one tile behind: two stages at least");
+static_assert(NWG >= 1 && NWG <= 3, "NWG: 1 to 3 consumer warpgroups");
 static_assert(!PINGPONG || (WS && NWG >= 2), "ping-pong needs a producer and two consumers");
 
 constexpr int BM = 64 * NWG;
@@ -602,11 +601,9 @@ KL_DEV void consume(const Params& p, const Span& sp, int c, int tid, unsigned ba
     fence_regs<NR>(s2);
     if (tid == 0) mbar_arrive(empty + 8 * stage);
 #if !WS
-    // Refills the stage of tile i - 1, which every consumer has most likely released by now
-    // (waiting on tile i's would tie warpgroup 0 to the slowest one).
-    if (c == 0 && tid == 0 && i >= 1 && i - 1 + STAGES < n) {
-      mbar_wait(empty + 8 * ((i - 1) % STAGES), ((i - 1) / STAGES) & 1);
-      load_k(p, base, full, sp.row0, t - 1 + STAGES, i - 1 + STAGES, h1, h2, sp.bq);
+    if (c == 0 && tid == 0 && i + STAGES < n) {
+      mbar_wait(empty + 8 * stage, phase);
+      load_k(p, base, full, sp.row0, t + STAGES, i + STAGES, h1, h2, sp.bq);
     }
     __syncwarp();  // warp 0 reconverges before its next wgmma (.sync.aligned)
 #endif
@@ -683,7 +680,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kl_fwd(const __grid_con
     load_q(p, base, bar_q, sp.row0 + m0, h, sp.bq);
     for (int i = 0; i < n && i < STAGES; ++i) load_k(p, base, full, sp.row0, t0 + i, i, h1, h2, sp.bq);
   }
-  consume(p, sp, __shfl_sync(0xffffffffu, tid / 128, 0), tid % 128, base, m0, t0, n, h1, h2, split);
+  consume(p, sp, tid / 128, tid % 128, base, m0, t0, n, h1, h2, split);
 #endif
 }
 
