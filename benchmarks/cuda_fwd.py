@@ -28,7 +28,7 @@ BASE = dict(KL_FP16=0, D1P=128, D2P=128)
 # The stages of docs/cuda.md, each with today's update (the lagged running max, S2 through x2);
 # f-3wg64-overlap is the shipped structure. The x- ablations of it compute wrong results and are
 # timed only.
-SHIPPED = dict(NWG=3, BN=64, STAGES=4, WS=1, PINGPONG=0, OVERLAP=1)
+SHIPPED = dict(NWG=3, BN=64, STAGES=4, WS=1, PINGPONG=0, OVERLAP=1, QREGS="shipped")
 VARIANTS = {
     "a-plain": dict(NWG=2, BN=128, STAGES=2, WS=0, PINGPONG=0),
     "b-ws": dict(NWG=2, BN=128, STAGES=2, WS=1, PINGPONG=0),
@@ -39,24 +39,17 @@ VARIANTS = {
     # each consumer overlaps its own GEMMs and updates (tile i's S1 GEMM under tile i - 1's S2 update)
     "f-overlap": dict(NWG=2, BN=128, STAGES=2, WS=1, PINGPONG=0, OVERLAP=1),
     "f-3wg64-overlap": SHIPPED,
-    # S2's fast-side exponentials of 1 to 3 of a row's 8 column pairs on the FMA pipe (ex2_poly)
-    "p-poly1of8": dict(SHIPPED, POLY2=1),
-    "p-poly2of8": dict(SHIPPED, POLY2=2),
-    "p-poly3of8": dict(SHIPPED, POLY2=3),
-    # Q1, Q2 or both in registers (the A operand of their GEMM read once, not per key tile)
+    # Q from shared memory in both GEMMs, or only Q1 or Q2 in registers (shipped: the larger
+    # one, both when both are 64 wide)
+    "r-qsmem": dict(SHIPPED, QREGS=0),
     "r-q1regs": dict(SHIPPED, QREGS=1),
     "r-q2regs": dict(SHIPPED, QREGS=2),
-    "r-q1regs-poly1of8": dict(SHIPPED, QREGS=1, POLY2=1),
-    "r-q12regs": dict(SHIPPED, QREGS=3),
-    "r-q12regs-poly2of8": dict(SHIPPED, QREGS=3, POLY2=2),
     "x-noexp": dict(SHIPPED, ABLATE=1),
     "x-onegemm": dict(SHIPPED, ABLATE=2),
     "x-2stage": dict(SHIPPED, STAGES=2),
 }
 ABLATIONS = tuple(v for v in VARIANTS if v.startswith("x-"))
 TIMED_AT_D64 = tuple(v for v in VARIANTS if v != "a-plain")
-# both Qs in registers fit the consumers' 160 registers at D = 64 only
-TIMED_AT_D128 = tuple(v for v in VARIANTS if not v.startswith("r-q12"))
 # (b, h, hk1, hk2, nq, nk, d1, d2, layout, causal, dtype[, dict(std=, scale1=, scale2=, lengths=)]):
 # std scales the random inputs (std 50 at D = 128: |S * scale| up to ~1e4), the scales default to
 # 1 / sqrt(d); lengths packs sequences of those lengths (cu_seqlens; nq = nk = their sum).
@@ -79,6 +72,8 @@ CHECKS = [
 def consts_for(variant, d1, d2, dtype):
     c = dict(BASE, **VARIANTS[variant])
     c.update(D1P=_launch.padded_dim(d1), D2P=_launch.padded_dim(d2), KL_FP16=int(dtype == torch.float16))
+    if c.get("QREGS") == "shipped":
+        c["QREGS"] = _launch.q_in_registers(c["D1P"], c["D2P"])
     while _launch.smem_bytes(c) > _launch.SMEM_LIMIT:
         c["STAGES"] -= 1
     return c
@@ -281,8 +276,7 @@ def main():
     for d in (128, 64):
         for n in sizes if d == 128 else sizes[:1]:
             for causal in (False, True):
-                timed = TIMED_AT_D128 if d == 128 else TIMED_AT_D64
-                row = time_shape(d, n, causal, [v for v in good if v in timed])
+                row = time_shape(d, n, causal, good if d == 128 else [v for v in good if v in TIMED_AT_D64])
                 rows.append(row)
                 out["timings"].append(row)
                 print(row, flush=True)

@@ -51,11 +51,22 @@ def threads(c: dict) -> int:
     return 128 * (c["NWG"] + c["WS"])
 
 
+def q_in_registers(d1p: int, d2p: int) -> int:
+    """QREGS: which queries a consumer keeps in registers (bit 1: Q1, bit 2: Q2). Its 160
+    registers hold 128 query columns beside the rest: both Qs when both are 64 wide, else the
+    wider one."""
+    if d1p + d2p <= 128:
+        return 3
+    return 1 if d1p >= d2p else 2
+
+
 def shipped(d1p: int, d2p: int, fp16: bool) -> dict:
     """The constants of the instantiation that runs for padded head dims (d1p, d2p): a producer
     warpgroup and three consumer warpgroups of 64 rows, each overlapping its own GEMMs and
-    updates, over 64-key tiles (docs/cuda.md), as many ring stages as shared memory holds, up to 4."""
+    updates, over 64-key tiles (docs/cuda.md), the queries of q_in_registers as wgmma's register
+    operand, as many ring stages as shared memory holds, up to 4."""
     c = dict(KL_FP16=int(fp16), D1P=d1p, D2P=d2p, NWG=3, BN=64, STAGES=1, WS=1, PINGPONG=0, OVERLAP=1)
+    c["QREGS"] = q_in_registers(d1p, d2p)
     while c["STAGES"] < 4 and smem_bytes(dict(c, STAGES=c["STAGES"] + 1)) <= SMEM_LIMIT:
         c["STAGES"] += 1
     return c

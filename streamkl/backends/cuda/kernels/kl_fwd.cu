@@ -16,10 +16,10 @@
 //   WS = 0: NWG consumer warpgroups only; thread 0 also issues the loads, refilling a stage once
 //           every consumer has released it (a plain TMA pipeline, no warp roles).
 // Consumer warpgroup c owns query rows [m0 + 64c, m0 + 64c + 64) and, per key tile of BN keys,
-//   computes S1 = Q1 K1^T and S2 = Q2 K2^T (64 x BN fp32 each, wgmma m64nBNk16, both operands
-//   read from shared memory) as two commit groups, runs the online update of S1 while the S2
-//   GEMM is in flight, then releases the stage (one thread arrives on its "empty" barrier) and
-//   runs the update of S2. PINGPONG = 1: the consumers issue their GEMMs in strict turn (named
+//   computes S1 = Q1 K1^T and S2 = Q2 K2^T (64 x BN fp32 each, wgmma m64nBNk16, K from shared
+//   memory, Q from shared memory or, QREGS, from registers it loaded once) as two commit groups,
+//   runs the online update of S1 while the S2 GEMM is in flight, then releases the stage (one
+//   thread arrives on its "empty" barrier) and runs the update of S2. PINGPONG = 1: the consumers issue their GEMMs in strict turn (named
 //   barriers 1..NWG), so one warpgroup's exponentials run under another's GEMMs. OVERLAP = 1
 //   (no ping-pong): a consumer issues tile i's S1 GEMM, runs tile i - 1's S2 update under it,
 //   issues tile i's S2 GEMM and runs tile i's S1 update under that, so its own exponentials run
@@ -92,14 +92,9 @@
 #ifndef OVERLAP
 #define OVERLAP 0
 #endif
-// POLY2 (a variant, timed by benchmarks/cuda_fwd.py): of the BN / 8 column pairs of a thread's
-// row, how many (spread evenly) take ex2_poly (the FMA pipe) instead of MUFU in S2's fast side.
-#ifndef POLY2
-#define POLY2 0
-#endif
-static_assert(POLY2 >= 0 && POLY2 <= BN / 8, "POLY2: 0 to BN / 8 column pairs");
-// QREGS (a variant): bit 1 keeps Q1, bit 2 Q2 of the consumer's rows in registers, read once from
-// shared memory, so the GEMM's A operand costs no shared-memory bandwidth per tile.
+// QREGS: bit 1 keeps Q1, bit 2 Q2 of the consumer's rows in registers (wgmma's A fragments), read
+// once from shared memory, so their GEMM reads only K per key tile (fewer shared-memory bytes and
+// no A descriptors to issue).
 #ifndef QREGS
 #define QREGS 0
 #endif
@@ -423,10 +418,7 @@ KL_DEV void update2(const float* e1, const float* x2, Row* r, const int* lim, bo
       for (int j = 0; j < BN / 8; ++j) {
         const int x = KL_IDX(j, i, 0), y = KL_IDX(j, i, 1);
         float ex, ey;
-        if ((j * POLY2) % (BN / 8) < POLY2)
-          ex = ex2_poly(x2[x]), ey = ex2_poly(x2[y]);
-        else
-          ex = ex2(x2[x]), ey = ex2(x2[y]);
+        ex = ex2(x2[x]), ey = ex2(x2[y]);
         mask_pair<MASK>(j, lim[i], ex, ey);
         sums[4 * i] += ex, sums[4 * i + 1] += ey;
         sums[4 * i + 2] = fmaf(e1[x], x2[x], sums[4 * i + 2]), sums[4 * i + 3] = fmaf(e1[y], x2[y], sums[4 * i + 3]);
@@ -528,14 +520,6 @@ KL_DEV void consume(const Params& p, const Span& sp, int c, int tid, unsigned ba
   const unsigned long long dq1 = smem_desc(base + OFF_Q1 + c * Q1_WG), dq2 = smem_desc(base + OFF_Q2 + c * Q2_WG);
   const unsigned long long dk1 = smem_desc(base + OFF_K1), dk2 = smem_desc(base + OFF_K2);
   mbar_wait(bar_q, 0);
-#if QREGS & 1
-  unsigned qa1[D1P / 4];
-  load_qfrag<D1P>(qa1, base + OFF_Q1 + c * Q1_WG, warp, lane);
-#endif
-#if QREGS & 2
-  unsigned qa2[D2P / 4];
-  load_qfrag<D2P>(qa2, base + OFF_Q2 + c * Q2_WG, warp, lane);
-#endif
 #if PINGPONG
   if (c == NWG - 1 && n > 0) named_arrive(1, 256);  // the first turn is warpgroup 0's
 #endif
@@ -550,6 +534,14 @@ KL_DEV void consume(const Params& p, const Span& sp, int c, int tid, unsigned ba
     }
     return;  // (never warpgroup 0, which refills the ring when WS = 0: m0 < Nq)
   }
+#if QREGS & 1
+  unsigned qa1[D1P / 4];
+  load_qfrag<D1P>(qa1, base + OFF_Q1 + c * Q1_WG, warp, lane);
+#endif
+#if QREGS & 2
+  unsigned qa2[D2P / 4];
+  load_qfrag<D2P>(qa2, base + OFF_Q2 + c * Q2_WG, warp, lane);
+#endif
 #if OVERLAP
   // Tile i - 1's S2 update runs under tile i's S1 GEMM: prev_* are its mask and limits.
   bool prev_masked = false;

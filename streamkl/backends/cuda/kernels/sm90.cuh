@@ -115,23 +115,6 @@ KL_DEV float ex2(float x) {
   return y;
 }
 
-// 2^x on the FMA pipe: x = j + f with j = round(x), 2^f on [-1/2, 1/2] by a degree-5 minimax
-// polynomial (relative error 2.2e-7 in float32, ex2.approx's is about 2^-22), j added to the
-// exponent bits. x is clamped to [-126, 127] first: below, the result is about 2^-126 (ex2.approx.ftz
-// gives 0); above, and for NaN (fminf returns 127), a finite value over 2^126.
-KL_DEV float ex2_poly(float x) {
-  x = fmaxf(fminf(x, 127.f), -126.f);
-  const float r = x + 12582912.f;  // round(x) in r's low mantissa bits
-  const float f = x - (r - 12582912.f);
-  float q = 1.3276472e-3f;
-  q = fmaf(q, f, 9.6755410e-3f);
-  q = fmaf(q, f, 5.5507131e-2f);
-  q = fmaf(q, f, 2.4022120e-1f);
-  q = fmaf(q, f, 6.9314694e-1f);
-  q = fmaf(q, f, 1.0000001f);
-  return __int_as_float(__float_as_int(q) + (__float_as_int(r) << 23));
-}
-
 // wgmma m64nNk16 with fp32 accumulators d[N / 2]: D[64 x N] (+)= A[64 x 16] * B[N x 16]^T, both
 // operands K-major in shared memory. ACC = false overwrites D (scale-d 0) and declares d written,
 // not read, so the compiler may keep other values in those registers until the GEMM is issued.
