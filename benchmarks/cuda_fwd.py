@@ -44,8 +44,6 @@ VARIANTS = {
     "r-qsmem": dict(SHIPPED, QREGS=0),
     "r-q1regs": dict(SHIPPED, QREGS=1),
     "r-q2regs": dict(SHIPPED, QREGS=2),
-    # each GEMM issued in strict turn (named barriers), the consumers a third of a tile apart
-    "t-turns": dict(SHIPPED, TURNS=1),
     "x-noexp": dict(SHIPPED, ABLATE=1),
     "x-onegemm": dict(SHIPPED, ABLATE=2),
     "x-2stage": dict(SHIPPED, STAGES=2),

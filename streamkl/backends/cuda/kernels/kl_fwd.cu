@@ -19,13 +19,11 @@
 //   computes S1 = Q1 K1^T and S2 = Q2 K2^T (64 x BN fp32 each, wgmma m64nBNk16, K from shared
 //   memory, Q from shared memory or, QREGS, from registers it loaded once) as two commit groups,
 //   runs the online update of S1 while the S2 GEMM is in flight, then releases the stage (one
-//   thread arrives on its "empty" barrier) and runs the update of S2. PINGPONG = 1: the consumers
-//   issue their GEMMs in strict turn (named barriers 1..NWG), so one warpgroup's exponentials run
-//   under another's GEMMs. OVERLAP = 1 (no ping-pong): a consumer issues tile i's S1 GEMM, runs
-//   tile i - 1's S2 update under it, issues tile i's S2 GEMM and runs tile i's S1 update under
-//   that, so its own exponentials run under its own GEMMs; no wgmma is in flight across the loop's
-//   back edge. TURNS = 1 (with OVERLAP): each GEMM is issued in strict turn, so the consumers stay
-//   a third of a tile apart instead of falling into step.
+//   thread arrives on its "empty" barrier) and runs the update of S2. PINGPONG = 1: the consumers issue their GEMMs in strict turn (named
+//   barriers 1..NWG), so one warpgroup's exponentials run under another's GEMMs. OVERLAP = 1
+//   (no ping-pong): a consumer issues tile i's S1 GEMM, runs tile i - 1's S2 update under it,
+//   issues tile i's S2 GEMM and runs tile i's S1 update under that, so its own exponentials run
+//   under its own GEMMs; no wgmma is in flight across the loop's back edge.
 // Online update (log2 units, t = S * log2(e) * scale; see docs/math.md): every thread keeps, for
 //   each of its two rows and over its own quarter of the columns, m1, l1, m2, l2 and the sums
 //   aa = sum e1 * S1raw, ab = sum e1 * t2; the four threads of a row merge these once, after the
@@ -88,9 +86,6 @@
 #ifndef PINGPONG
 #define PINGPONG 1
 #endif
-#ifndef TURNS
-#define TURNS 0
-#endif
 #ifndef ABLATE
 #define ABLATE 0
 #endif
@@ -105,7 +100,6 @@
 #endif
 static_assert(QREGS == 0 || BN == 64, "QREGS: 64-key tiles");
 static_assert(!OVERLAP || !PINGPONG, "OVERLAP replaces ping-pong");
-static_assert(!TURNS || (OVERLAP && WS && NWG >= 2), "TURNS: per-GEMM turns of overlapping consumers");
 // ABLATE (measurement only, for docs/cuda.md's ablations; the results are wrong): 1 runs no
 // exponential (e = t), 2 issues no S2 GEMM.
 #if ABLATE == 1
@@ -526,17 +520,15 @@ KL_DEV void consume(const Params& p, const Span& sp, int c, int tid, unsigned ba
   const unsigned long long dq1 = smem_desc(base + OFF_Q1 + c * Q1_WG), dq2 = smem_desc(base + OFF_Q2 + c * Q2_WG);
   const unsigned long long dk1 = smem_desc(base + OFF_K1), dk2 = smem_desc(base + OFF_K2);
   mbar_wait(bar_q, 0);
-#if PINGPONG || TURNS
+#if PINGPONG
   if (c == NWG - 1 && n > 0) named_arrive(1, 256);  // the first turn is warpgroup 0's
 #endif
   if (r0 >= sp.nq) {  // every row past Nq (decode): only the barrier duties, no GEMM, no update
     for (int i = 0; i < n; ++i) {
       mbar_wait(full + 8 * (i % STAGES), (i / STAGES) & 1);
-#if PINGPONG || TURNS
-      for (int g = 0; g <= TURNS; ++g) {  // a turn per tile, or per GEMM
-        named_sync(1 + c, 256);
-        if (!(c == NWG - 1 && i == n - 1 && g == TURNS)) named_arrive(1 + (c + 1) % NWG, 256);
-      }
+#if PINGPONG
+      named_sync(1 + c, 256);
+      if (!(c == NWG - 1 && i == n - 1)) named_arrive(1 + (c + 1) % NWG, 256);
 #endif
       if (tid == 0) mbar_arrive(empty + 8 * (i % STAGES));
     }
@@ -559,7 +551,7 @@ KL_DEV void consume(const Params& p, const Span& sp, int c, int tid, unsigned ba
     const int t = t0 + i, stage = i % STAGES;
     const unsigned phase = (i / STAGES) & 1;
     mbar_wait(full + 8 * stage, phase);
-#if PINGPONG || TURNS
+#if PINGPONG
     named_sync(1 + c, 256);
 #endif
     wgmma_fence();
@@ -569,17 +561,11 @@ KL_DEV void consume(const Params& p, const Span& sp, int c, int tid, unsigned ba
     gemm<D1P>(s1, dq1, smem_desc_add(dk1, stage * K1_ST));
 #endif
     wgmma_commit();
-#if TURNS
-    named_arrive(1 + (c + 1) % NWG, 256);
-#endif
 #if OVERLAP
     if (i > 0) {
       update2_tile(prev_masked, e1, x2, r, prev_rel, i == 1);
     }
     __syncwarp();  // the per-thread fast / exact choice reconverges before wgmma (.aligned)
-#if TURNS
-    named_sync(1 + c, 256);
-#endif
     wgmma_fence();
 #endif
 #if ABLATE != 2
@@ -590,7 +576,7 @@ KL_DEV void consume(const Params& p, const Span& sp, int c, int tid, unsigned ba
 #endif
 #endif
     wgmma_commit();
-#if PINGPONG || TURNS
+#if PINGPONG
     if (!(c == NWG - 1 && i == n - 1)) named_arrive(1 + (c + 1) % NWG, 256);
 #endif
     const bool masked = t >= n_full;
