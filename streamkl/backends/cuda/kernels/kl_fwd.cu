@@ -19,11 +19,12 @@
 //   computes S1 = Q1 K1^T and S2 = Q2 K2^T (64 x BN fp32 each, wgmma m64nBNk16, K from shared
 //   memory, Q from shared memory or, QREGS, from registers it loaded once) as two commit groups,
 //   runs the online update of S1 while the S2 GEMM is in flight, then releases the stage (one
-//   thread arrives on its "empty" barrier) and runs the update of S2. PINGPONG = 1: the consumers issue their GEMMs in strict turn (named
-//   barriers 1..NWG), so one warpgroup's exponentials run under another's GEMMs. OVERLAP = 1
-//   (no ping-pong): a consumer issues tile i's S1 GEMM, runs tile i - 1's S2 update under it,
-//   issues tile i's S2 GEMM and runs tile i's S1 update under that, so its own exponentials run
-//   under its own GEMMs; no wgmma is in flight across the loop's back edge.
+//   thread arrives on its "empty" barrier) and runs the update of S2. PINGPONG = 1: the consumers
+//   issue their GEMMs in strict turn (named barriers 1..NWG), so one warpgroup's exponentials run
+//   under another's GEMMs. OVERLAP = 1 (no ping-pong): a consumer issues tile i's S1 GEMM, runs
+//   tile i - 1's S2 update under it, issues tile i's S2 GEMM and runs tile i's S1 update under
+//   that, so its own exponentials run under its own GEMMs; no wgmma is in flight across the loop's
+//   back edge.
 // Online update (log2 units, t = S * log2(e) * scale; see docs/math.md): every thread keeps, for
 //   each of its two rows and over its own quarter of the columns, m1, l1, m2, l2 and the sums
 //   aa = sum e1 * S1raw, ab = sum e1 * t2; the four threads of a row merge these once, after the
@@ -232,7 +233,10 @@ KL_DEV void gemm_rs(float* s, const unsigned* a, unsigned long long dk) {
 #pragma unroll
   for (int kk = K0; kk < K1; ++kk) {
     const unsigned long long db = smem_desc_add(dk, (kk / 4) * (BN * 128) + (kk % 4) * 32);
-    if (kk == 0) wgmma_m64n64k16_rs<false>(s, a + 4 * kk, db); else wgmma_m64n64k16_rs<true>(s, a + 4 * kk, db);
+    if (kk == 0)
+      wgmma_m64n64k16_rs<false>(s, a + 4 * kk, db);
+    else
+      wgmma_m64n64k16_rs<true>(s, a + 4 * kk, db);
   }
 }
 
@@ -370,8 +374,9 @@ constexpr float LAG_SUM = 65536.f;
 template <bool MASK, class Mid>
 KL_DEV void update1(const float* s1, float* e1, Row* r, float c1, const int* lim, bool first, Mid&& mid) {
   bool exact = true;
-  if (first) mid();
-  if (!first) {
+  if (first) {
+    mid();
+  } else {
     float sums[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};  // per row: l1 and aa, twice for ILP
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
@@ -420,8 +425,9 @@ KL_DEV void scores2(const float* s2, float* x2, const Row* r, float c2) {
 template <bool MASK, class Mid>
 KL_DEV void update2(const float* e1, const float* x2, Row* r, const int* lim, bool first, Mid&& mid) {
   bool exact = true;
-  if (first) mid();
-  if (!first) {
+  if (first) {
+    mid();
+  } else {
     float sums[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};  // per row: l2 and ab, twice for ILP
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
@@ -457,7 +463,8 @@ KL_DEV void update2(const float* e1, const float* x2, Row* r, const int* lim, bo
 
 // update2 on a masked (ragged or causal-frontier) tile or an unmasked one.
 template <class Mid>
-KL_DEV void update2_tile(bool masked, const float* e1, const float* x2, Row* r, const int* lim, bool first, Mid&& mid) {
+KL_DEV void update2_tile(bool masked, const float* e1, const float* x2, Row* r, const int* lim, bool first,
+                         Mid&& mid) {
   if (masked)
     update2<true>(e1, x2, r, lim, first, mid);
   else

@@ -159,6 +159,7 @@ KL_DEV void wgmma_m64n64k16_rs(float* d, const unsigned* a, unsigned long long d
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
 }
 
+// One 32-bit word of shared memory (a thread's wgmma A fragments, loaded once).
 KL_DEV unsigned lds32(unsigned addr) {
   unsigned v;
   asm volatile("ld.shared.b32 %0, [%1];" : "=r"(v) : "r"(addr));
