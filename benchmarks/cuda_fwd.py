@@ -50,6 +50,17 @@ VARIANTS = {
     "x-onegemm": dict(SHIPPED, ABLATE=2),
     "x-2stage": dict(SHIPPED, STAGES=2),
 }
+# The shipped build launched in another grid order or split count (the launch's schedule; the head
+# group applies under causal masking only).
+SCHEDULES = {
+    "o-causal-hg1": dict(hgroup=1),
+    "o-causal-hg4": dict(hgroup=4),
+    "o-causal-hg32": dict(hgroup=32),
+    "o-split1": dict(splits=1),
+    "o-split2": dict(splits=2),
+    "o-split3": dict(splits=3),
+}
+VARIANTS.update(dict.fromkeys(SCHEDULES, SHIPPED))
 ABLATIONS = tuple(v for v in VARIANTS if v.startswith("x-"))
 TIMED_AT_D64 = tuple(v for v in VARIANTS if v != "a-plain")
 # (b, h, hk1, hk2, nq, nk, d1, d2, layout, causal, dtype[, dict(std=, scale1=, scale2=, lengths=)]):
@@ -66,6 +77,7 @@ CHECKS = [
     (1, 4, 4, 4, 300, 900, 128, 128, "bhnd", False, torch.bfloat16, dict(std=50.0)),
     (1, 4, 2, 2, 300, 900, 128, 128, "bhnd", True, torch.bfloat16, dict(std=10.0)),
     (1, 4, 4, 2, 260, 700, 128, 64, "bnhd", True, torch.bfloat16, dict(std=20.0, scale1=-0.1, scale2=0.06)),
+    (1, 12, 4, 3, 500, 600, 128, 128, "bhnd", True, torch.bfloat16),  # heads in groups of 8 and 4
     (1, 2, 1, 2, 3, 3000, 128, 64, "bnhd", True, torch.bfloat16),  # split-K
     (1, 2, 2, 1, 752, 752, 128, 64, "bnhd", True, torch.bfloat16, PACKED),
 ]
@@ -81,14 +93,17 @@ def consts_for(variant, d1, d2, dtype):
     return c
 
 
-def run_cuda(inputs, causal, consts, scale1=None, scale2=None, cu_seqlens=None):
+def run_cuda(inputs, causal, consts, schedule=None, scale1=None, scale2=None, cu_seqlens=None):
     q1, k1, q2, k2 = inputs
+    if schedule is not None and not causal:
+        schedule = {k: v for k, v in schedule.items() if k != "hgroup"}
     s1 = 1 / math.sqrt(q1.shape[-1]) if scale1 is None else scale1
     s2 = 1 / math.sqrt(q2.shape[-1]) if scale2 is None else scale2
     packed = dict(cu_seqlens=cu_seqlens, max_seqlen=None)
     if cu_seqlens is not None:
         packed["max_seqlen"] = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-    return _launch.forward(q1, k1, q2, k2, causal=causal, scale1=s1, scale2=s2, consts=consts, **packed)
+    kw = dict(causal=causal, scale1=s1, scale2=s2, consts=consts, schedule=schedule)
+    return _launch.forward(q1, k1, q2, k2, **kw, **packed)
 
 
 def check(variant, log):
@@ -105,7 +120,7 @@ def check(variant, log):
             cu = torch.tensor([0, *itertools.accumulate(opts["lengths"])], dtype=torch.int32, device="cuda")
         poison = torch.full((3, b, h, nq), float("nan"), device="cuda")
         del poison  # the outputs reuse this memory
-        kl, lse1, lse2 = run_cuda(inputs, causal, consts, cu_seqlens=cu, **scales)
+        kl, lse1, lse2 = run_cuda(inputs, causal, consts, SCHEDULES.get(variant), cu_seqlens=cu, **scales)
         torch.cuda.synchronize()
         wide = [t.double() for t in inputs]
         ref, r1, r2 = dense_attn_kl(*wide, causal=causal, return_lse=True, cu_seqlens=cu, **scales)
@@ -149,10 +164,11 @@ def time_shape(d, n, causal, variants):
     row = dict(d=d, n=n, causal=causal, triton=flops / ms / 1e9)
     for v in variants:
         c = consts_for(v, d, d, torch.bfloat16)
-        kl, _, _ = run_cuda(inputs, causal, c)
+        sched = SCHEDULES.get(v)
+        kl, _, _ = run_cuda(inputs, causal, c, sched)
         if v not in ABLATIONS:
             row[v + "-vs-triton-relerr"] = rel_err(kl, ref_kl)
-        row[v] = flops / bench_ms(lambda c=c: run_cuda(inputs, causal, c)) / 1e9
+        row[v] = flops / bench_ms(lambda c=c, sched=sched: run_cuda(inputs, causal, c, sched)) / 1e9
     return row
 
 

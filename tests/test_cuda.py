@@ -118,11 +118,11 @@ def _check(inputs, causal, **scales):
     return kl
 
 
-def _check_poisoned(inputs, causal, s1, s2):
+def _check_poisoned(inputs, causal, s1, s2, schedule=None):
     """The launch (the shipped kernel) into NaN-filled outputs, against the float64 oracle: every
     row is written, and written right."""
     out = tuple(torch.full(inputs[0].shape[:3], float("nan"), device="cuda") for _ in range(3))
-    kl, lse1, lse2 = _launch.forward(*inputs, causal=causal, scale1=s1, scale2=s2, out=out)
+    kl, lse1, lse2 = _launch.forward(*inputs, causal=causal, scale1=s1, scale2=s2, schedule=schedule, out=out)
     torch.cuda.synchronize()
     expected = Expected(inputs, causal=causal, scale1=s1, scale2=s2)
     expected.check_kl(kl)
@@ -142,6 +142,20 @@ def test_tile_edges(nq, nk, causal):
         inputs = make_inputs(b=2, h=4, hk1=2, hk2=1, nq=nq, nk=nk, d1=128, d2=64, dtype=dtype, device="cuda",
                              seed=nq * 7 + nk)  # fmt: skip
         _check(inputs, causal)
+
+
+@gpu
+@sm90
+@pytest.mark.parametrize("hgroup", [1, 5, 8, 12])
+def test_every_head_group_order_covers_the_grid(hgroup):
+    """The grid's order in groups of heads (kl_fwd.cu's header), a last group smaller than the
+    others included: every row of every head is written, and written right, with and without
+    split-K."""
+    inputs = make_inputs(b=2, h=12, hk1=4, hk2=3, nq=700, nk=900, d1=128, d2=64, dtype=torch.bfloat16,
+                         device="cuda", seed=hgroup)  # fmt: skip
+    s1, s2 = 1 / math.sqrt(128), 1 / math.sqrt(64)
+    for splits in (1, 3):
+        _check_poisoned(inputs, True, s1, s2, dict(hgroup=hgroup, splits=splits))
 
 
 # (nq, nk, hk1, hk2): few query rows against many keys, where split-K runs (one row tile per head,

@@ -24,8 +24,8 @@ SMEM_LIMIT = 232448  # dynamic shared memory one sm_90 CTA may opt into (227 KB)
 TMA_BOX = 64  # 16-bit columns per TMA box: one 128-byte swizzle span
 MAX_D = 128  # head dims are padded (by TMA's zero fill) to 64 or 128
 PARAMS_BYTES = 640  # sizeof(Params) in kl_fwd.cu: four 128-byte maps, then the scalars
-# kl, lse1, lse2, part, cu, h, nq, nk, g1, g2, m_tiles, causal, splits, rows, c1, c2
-_SCALARS = struct.Struct("<5Q9i2f")
+# kl, lse1, lse2, part, cu, h, nq, nk, g1, g2, m_tiles, causal, splits, rows, hgroup, c1, c2
+_SCALARS = struct.Struct("<5Q10i2f")
 _PAD = bytes(PARAMS_BYTES - 4 * 128 - _SCALARS.size)
 SOURCE_FILE = "kl_fwd.cu"
 ENTRY = "kl_fwd"
@@ -34,6 +34,10 @@ PART = 6  # floats of one row's partial state (kl_fwd.cu's PART)
 SPLIT_OVERHEAD_KEYS = 256  # a CTA's fixed cost (Q loads, pipeline fill, epilogue) in keys
 MIN_KEYS_PER_SPLIT = 512
 MAX_SPLITS = 64
+# Under causal masking the grid starts the longest row tiles of this many heads first (kl_fwd.cu's
+# hgroup), so the short ones fill the last wave; without it CTAs are alike and one head's row
+# tiles after another's share its keys in L2.
+CAUSAL_HEAD_GROUP = 8
 
 
 def padded_dim(d: int) -> int:
@@ -235,12 +239,14 @@ def splits_for(ctas: int, key_tiles: int, batch: int, sms: int, tile: int) -> in
 
 
 def forward(
-    q1, k1, q2, k2, *, causal, scale1, scale2, cu_seqlens=None, max_seqlen=None, consts=None, out=None
-):
+    q1, k1, q2, k2, *, causal, scale1, scale2, cu_seqlens=None, max_seqlen=None, consts=None, schedule=None,
+    out=None,
+):  # fmt: skip
     """(kl, lse1, lse2) of dense or packed inputs (cu_seqlens: int32 offsets on the inputs'
-    device, max_seqlen: at least the longest sequence); consts: an instantiation replacing the
-    shipped one (benchmarks/cuda_fwd.py's variants); out: three (B, H, Nq) float32 contiguous
-    tensors to write instead of fresh ones (the benchmark poisons them first)."""
+    device, max_seqlen: at least the longest sequence); consts, schedule: an instantiation and
+    {"splits": , "hgroup": } replacing the chosen ones (benchmarks/cuda_fwd.py's variants); out: three
+    (B, H, Nq) float32 contiguous tensors to write instead of fresh ones (the benchmark poisons
+    them first)."""
     B, H, NQ, D1 = q1.shape
     NK, D2 = k1.shape[2], q2.shape[3]
     dev = q1.device
@@ -269,6 +275,9 @@ def forward(
     rows = B * H * NQ
     key_tiles = -(-(NK if cu_seqlens is None else longest) // bn)
     splits = splits_for(m_tiles * H * seqs, key_tiles, seqs, _sm_count(index), bn) if rows < 2**31 else 1
+    hgroup = min(H, CAUSAL_HEAD_GROUP) if causal else 1
+    if schedule is not None:
+        splits, hgroup = schedule.get("splits", splits), min(H, schedule.get("hgroup", hgroup))
     part = torch.empty(splits * rows * PART, device=dev, dtype=torch.float32) if splits > 1 else None
     block = (
         tensor_map(q1, 64)
@@ -290,6 +299,7 @@ def forward(
             int(bool(causal)),
             splits,
             rows if splits > 1 else 0,
+            hgroup,
             float(scale1) * LOG2E,
             float(scale2) * LOG2E,
         )
@@ -301,7 +311,7 @@ def forward(
 
     stream = driver.CUstream(torch.cuda.current_stream(dev).cuda_stream)
     (err,) = driver.cuLaunchKernel(
-        k.handle, m_tiles, H, seqs * splits, k.threads, 1, 1, k.smem, stream, ctypes.addressof(argv), 0
+        k.handle, m_tiles * H, 1, seqs * splits, k.threads, 1, 1, k.smem, stream, ctypes.addressof(argv), 0
     )
     if int(err) != 0:
         raise RuntimeError(f"cuLaunchKernel of {ENTRY} {consts} failed: {err!r}")

@@ -1,7 +1,9 @@
 // kl_fwd.cu: the fused forward, KL(softmax(s1 Q1 K1^T) || softmax(s2 Q2 K2^T)) per query row.
 //
-// Grid: (cdiv(Nq, BM), H, B * splits), BM = 64 * NWG query rows per CTA; x runs the row tiles
-// from the last to the first, so under causal masking the longest CTAs start first. Packed
+// Grid: (cdiv(Nq, BM) * H, 1, B * splits), BM = 64 * NWG query rows per CTA; x walks the heads
+// in groups of hgroup, and inside a group the row tiles from the last to the first with the
+// group's heads fastest, so under causal masking the longest CTAs of hgroup heads start first
+// (hgroup = 1: one head's row tiles after another's, the order that shares keys in L2 best). Packed
 // sequences (cu != null): B is the number of sequences, Nq of the grid the longest one; a CTA
 // works inside sequence b (Span) and one whose row tile lies past that sequence's end exits
 // before any load. Rows of its last tile past the end read the next sequence's queries and are
@@ -151,6 +153,7 @@ struct Params {
   float* part;  // splits > 1: [splits][rows][PART] partial row states, for kl_combine
   const int* cu;  // packed sequences: B + 1 offsets into the one packed batch (else null)
   int h, nq, nk, g1, g2, m_tiles, causal, splits, rows;  // rows = B * H * Nq (the tensors')
+  int hgroup;  // heads per group of the grid's order (the header)
   float c1, c2;  // scale * log2(e)
 };
 
@@ -663,7 +666,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kl_fwd(const __grid_con
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const unsigned base = (smem_addr(smem_raw) + 1023u) & ~1023u;
   const unsigned bar_q = base + OFF_BAR, full = bar_q + 8, empty = full + 8 * STAGES;
-  const int mt = p.m_tiles - 1 - (int)blockIdx.x, h = blockIdx.y;
+  // Groups before this CTA's are full (hgroup heads); the last may hold fewer.
+  const int group = blockIdx.x / (p.hgroup * p.m_tiles), g0 = group * p.hgroup;
+  const int in_group = min(p.hgroup, p.h - g0), r = blockIdx.x - g0 * p.m_tiles;
+  const int mt = p.m_tiles - 1 - r / in_group, h = g0 + r % in_group;
   const int b = blockIdx.z / p.splits, split = blockIdx.z % p.splits;
   const int m0 = mt * BM;
   Span sp{p.nq, p.nk, 0, b, ((long long)b * p.h + h) * p.nq};
