@@ -1,7 +1,8 @@
 """The cuda backend's forward on this GPU, in one run: compile every variant of kernels/kl_fwd.cu
 (first-call compile time, registers, spills), check each against a float64 oracle on fresh random
 data (outputs poisoned first), then time each beside the triton forward and a bf16 8192^3 GEMM
-(triton.testing.do_bench, median). Prints a table last; --json writes everything.
+(triton.testing.do_bench; the median of interleaved rounds). Prints a table last; --json writes
+everything.
 
     python benchmarks/cuda_fwd.py --json out.json [--variants a,b,c] [--skip-bench]
 """
@@ -14,6 +15,7 @@ import itertools
 import json
 import math
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -155,20 +157,27 @@ def time_gemm():
     return 2 * 8192**3 / bench_ms(lambda: a @ b) / 1e9
 
 
-def time_shape(d, n, causal, variants):
-    """TFLOP/s of the triton forward (through the op) and of each variant at B=1, H=32."""
+def time_shape(d, n, causal, variants, rounds):
+    """TFLOP/s of the triton forward (through the op) and of each variant at B=1, H=32: the median
+    of `rounds` rounds that each time every one in turn, so a drift of the clock falls on all."""
     inputs = make_inputs(b=1, h=32, nq=n, nk=n, d1=d, d2=d, dtype=torch.bfloat16, device="cuda", seed=1)
     flops = 4 * 32 * n * n * d / (2 if causal else 1)
     ref_kl = streamkl.attn_kl(*inputs, causal=causal, backend="triton")
-    ms = bench_ms(lambda: streamkl.attn_kl(*inputs, causal=causal, backend="triton"))
-    row = dict(d=d, n=n, causal=causal, triton=flops / ms / 1e9)
+    row = dict(d=d, n=n, causal=causal)
+    calls = {"triton": lambda: streamkl.attn_kl(*inputs, causal=causal, backend="triton")}
     for v in variants:
-        c = consts_for(v, d, d, torch.bfloat16)
-        sched = SCHEDULES.get(v)
+        c, sched = consts_for(v, d, d, torch.bfloat16), SCHEDULES.get(v)
         kl, _, _ = run_cuda(inputs, causal, c, sched)
         if v not in ABLATIONS:
             row[v + "-vs-triton-relerr"] = rel_err(kl, ref_kl)
-        row[v] = flops / bench_ms(lambda c=c, sched=sched: run_cuda(inputs, causal, c, sched)) / 1e9
+        calls[v] = lambda c=c, sched=sched: run_cuda(inputs, causal, c, sched)
+    times = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, fn in calls.items():
+            times[name].append(bench_ms(fn))
+    for name, ms in times.items():
+        row[name] = flops / statistics.median(ms) / 1e9
+        row[name + "-spread"] = (max(ms) - min(ms)) / statistics.median(ms)
     return row
 
 
@@ -211,6 +220,7 @@ def main():
     ap.add_argument("--json")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--sizes", default="8192,16384")
+    ap.add_argument("--rounds", type=int, default=3, help="timing rounds per shape (the median is kept)")
     ap.add_argument("--skip-bench", action="store_true")
     ap.add_argument("--small", action="store_true", help="the small checks only (for compute-sanitizer)")
     ap.add_argument(
@@ -294,7 +304,8 @@ def main():
     for d in (128, 64):
         for n in sizes if d == 128 else sizes[:1]:
             for causal in (False, True):
-                row = time_shape(d, n, causal, good if d == 128 else [v for v in good if v in TIMED_AT_D64])
+                timed = good if d == 128 else [v for v in good if v in TIMED_AT_D64]
+                row = time_shape(d, n, causal, timed, args.rounds)
                 rows.append(row)
                 out["timings"].append(row)
                 print(row, flush=True)
@@ -306,7 +317,13 @@ def main():
     for r in rows:
         print(f"{r['d']:>4} {r['n']:>6} {str(r['causal']):>6} " + " ".join(
             f"{r[c]:>12.0f}" if c in r else f"{'-':>12}" for c in cols))  # fmt: skip
-    print("(TFLOP/s on 4*B*H*N*N*D, half when causal; B=1 H=32 bf16)")
+    spread = max((v for r in rows for k, v in r.items() if k.endswith("-spread")), default=0.0)
+    gemm_end = time_gemm()
+    out["timings"].append(dict(what="gemm-bf16-8192-end", tflops=gemm_end))
+    if args.json:
+        json.dump(out, open(args.json, "w"), indent=1)
+    print(f"(TFLOP/s on 4*B*H*N*N*D, half when causal; B=1 H=32 bf16; the median of {args.rounds} rounds, "
+          f"largest spread {spread:.1%}; GEMM at the end {gemm_end:.0f})")  # fmt: skip
 
 
 if __name__ == "__main__":

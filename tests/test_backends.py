@@ -234,6 +234,18 @@ def test_extreme_logits(target, needs):
             _check(name, inputs, needs, causal=True)
 
 
+def test_gradients_whose_terms_cancel(target):
+    """Two keys and a 2-wide student head (hypothesis found it on the H200): dq2 = s2 g (P2 -
+    P1)_0 (k2_0 - k2_1) is a residue of terms larger than itself, where rounding dS to a 16-bit
+    input dtype before its products shows (the rule's dS term)."""
+    name, device, dtypes = target
+    for dtype in dtypes:
+        inputs = make_inputs(b=2, h=2, hk1=2, hk2=1, nq=3, nk=2, d1=37, d2=2, dtype=dtype, device=device,
+                             layout="bnhd", seed=1505530, std=0.3)  # fmt: skip
+        if not _refused(name, inputs):
+            _check(name, inputs)
+
+
 def test_explicit_scales(target):
     name, device, dtypes = target
     for dtype in dtypes:

@@ -17,7 +17,11 @@ the same computation done densely in PyTorch on the same inputs, plus a floor:
     made of (for KL, the size M the row's logits are rounded at times KL's sensitivity to
     them; for a gradient row, M times the size of the terms dq = scale dS k and dk = scale
     dS^T q sum), so rows whose dense error happens to be ~0 and gradients that are
-    cancellation residues (one-hot rows) have a bar too.
+    cancellation residues (one-hot rows) have a bar too;
+  * for 16-bit inputs a gradient row may also carry what rounding dS to the input dtype before
+    its two products does (the fused backward's tensor-core operands, as in FlashAttention):
+    eps of that dtype times the row's sum of |scale| |dS_ij| |k_j| (dk: |dS_ij| |q_i| over i),
+    which matters where those terms cancel (two keys with nearly equal k).
 """
 
 from __future__ import annotations
@@ -45,6 +49,36 @@ def _dense(inputs, dtype, causal, scale1, scale2, cu_seqlens, grad):
     )
     grads = torch.autograd.grad(kl, leaves, grad.to(dtype), allow_unused=True)
     return kl.detach(), lse1.detach(), lse2.detach(), grads
+
+
+def _ds_rounding(inputs, causal, scale1, scale2, cu_seqlens, grad):
+    """Per gradient row (dq1, dk1, dq2, dk2), eps of its pair's dtype (0 unless 16-bit) times the
+    size of its terms: |scale| sum_j |dS_ij| |k_j| for dq, |scale| sum_i |dS_ij| |q_i| for dk
+    (over the query heads of the key head's group), with dS1 = g P1 (r - KL), dS2 = g (P2 - P1)
+    the gradients of KL by the logits and r the log-ratio."""
+    x1, y1, x2, y2 = (t.detach().cpu().double() for t in inputs)
+    cu = None if cu_seqlens is None else cu_seqlens.cpu()
+    mask = visible_mask(x1.shape[-2], y1.shape[-2], causal, cu_seqlens=cu)
+    logps = []
+    for q, k, scale in ((x1, y1, scale1), (x2, y2, scale2)):
+        s = (q @ k.repeat_interleave(q.shape[1] // k.shape[1], 1).mT * scale).masked_fill(~mask, -math.inf)
+        logps.append(torch.where(mask, s.log_softmax(-1), 0.0).nan_to_num(0.0))
+    p1, p2 = (torch.where(mask, lp.exp(), 0.0) for lp in logps)
+    ratio = logps[0] - logps[1]
+    kl = (p1 * ratio).sum(-1, keepdim=True)
+    g = grad.double()[..., None]
+    out = []
+    for q, k, scale, ds, inp in (
+        (x1, y1, scale1, g * p1 * (ratio - kl), inputs[0]),
+        (x2, y2, scale2, g * (p2 - p1), inputs[2]),
+    ):
+        eps = torch.finfo(inp.dtype).eps if inp.dtype in (torch.float16, torch.bfloat16) else 0.0
+        groups = q.shape[1] // k.shape[1]
+        ds = ds.abs() * abs(scale) * eps
+        dq = ds @ k.norm(dim=-1).repeat_interleave(groups, 1)[..., None]
+        dk = (ds * q.norm(dim=-1)[..., None]).sum(-2)
+        out += [dq[..., 0], dk.unflatten(1, (k.shape[1], groups)).sum(2)]
+    return out
 
 
 def _row_scales(q1, k1, q2, k2, causal, scale1, scale2, cu_seqlens):
@@ -109,6 +143,7 @@ class Expected:
             qn, kn = (_largest(_row_norm(t.detach().cpu().double())) for t in (q, k))
             unit = FLOOR * self.eps * m * abs(scale)
             self.grad_floor += [unit * gmax * kn, unit * gsum * qn]  # dq: one row's dS; dk: all rows
+        self.ds_rounding = _ds_rounding(inputs, causal, self.scale1, self.scale2, cu_seqlens, self.grad)
 
     def check_kl(self, kl, what="kl"):
         kl = kl.detach().cpu().double()
@@ -134,8 +169,8 @@ class Expected:
 
     def check_grads(self, grads, inputs, needs=(True,) * 4):
         names = ("dq1", "dk1", "dq2", "dk2")
-        for name, got, ref, dense_err, floor, inp, need in zip(
-            names, grads, self.grads, self.dense_grad_err, self.grad_floor, inputs, needs
+        for name, got, ref, dense_err, floor, rounding, inp, need in zip(
+            names, grads, self.grads, self.dense_grad_err, self.grad_floor, self.ds_rounding, inputs, needs
         ):
             if not need:
                 assert got is None, f"{name} was not requested"
@@ -143,7 +178,7 @@ class Expected:
             assert got.shape == inp.shape and got.dtype == inp.dtype, (name, got.shape, got.dtype)
             got = got.detach().cpu().double()
             assert torch.isfinite(got).all(), f"{name}: non-finite values"
-            _report(name, _row_norm(got - ref), RATIO * _with_rms(dense_err) + floor)
+            _report(name, _row_norm(got - ref), RATIO * _with_rms(dense_err) + floor + rounding)
 
 
 def _with_rms(err):
