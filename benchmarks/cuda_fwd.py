@@ -46,8 +46,6 @@ VARIANTS = {
     "r-qsmem": dict(SHIPPED, QREGS=0),
     "r-q1regs": dict(SHIPPED, QREGS=1),
     "r-q2regs": dict(SHIPPED, QREGS=2),
-    # each GEMM's second half of k-steps issued inside the update that runs under it (queued)
-    "s-issue-split": dict(SHIPPED, ISSUE_SPLIT=1),
     "x-noexp": dict(SHIPPED, ABLATE=1),
     "x-onegemm": dict(SHIPPED, ABLATE=2),
     "x-2stage": dict(SHIPPED, STAGES=2),

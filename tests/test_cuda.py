@@ -84,10 +84,16 @@ def test_split_k_fills_the_sms_only_where_the_row_tiles_do_not():
         # 8K x 8K over 32 heads in 128-row tiles (2048 CTAs) and a full wave stay unsplit
         assert _launch.splits_for(2048, 8192 // tile, 1, sms, tile) == 1
         assert _launch.splits_for(132, 131072 // tile, 1, sms, tile) == 1
+        # causal: 4K-16K over 32 heads in 192-row tiles stay unsplit (the longest start first and
+        # the short ones fill the last wave); causal decode rows see nearly every key -> split
+        for n in (4096, 8192, 16384):
+            assert _launch.splits_for(-(-n // 192) * 32, n // tile, 1, sms, tile, (n, n, 192)) == 1
+        assert _launch.splits_for(32, 32768 // tile, 1, sms, tile, (64, 32768, 192)) > 1
         grids = [(1, 1, 1), (1, 7, 1), (3, 10_000, 1), (40_000, 2, 40_000), (2, 4096, 65535)]
         for ctas, tiles, batch in grids:
-            s = _launch.splits_for(ctas, tiles, batch, sms, tile)
-            assert 1 <= s <= max(1, tiles * tile // _launch.MIN_KEYS_PER_SPLIT) and batch * s <= 65535
+            for causal in (None, (ctas * 64, tiles * tile, 64), (1, tiles * tile, 64)):
+                s = _launch.splits_for(ctas, tiles, batch, sms, tile, causal)
+                assert 1 <= s <= max(1, tiles * tile // _launch.MIN_KEYS_PER_SPLIT) and batch * s <= 65535
 
 
 def test_supports_refuses_what_it_cannot_run_on_cpu():

@@ -224,18 +224,28 @@ def _sm_count(device_index: int) -> int:
 
 
 @functools.lru_cache(maxsize=4096)
-def splits_for(ctas: int, key_tiles: int, batch: int, sms: int, tile: int) -> int:
+def splits_for(ctas: int, key_tiles: int, batch: int, sms: int, tile: int, causal=None) -> int:
     """How many ways to split each row tile's key tiles (of `tile` keys; split-K): the count that
-    minimizes the waves of one-CTA-per-SM work times a CTA's share (its key tiles plus a fixed
-    cost), so a grid of few row tiles (decode) fills the SMs and a large one stays unsplit."""
-    best, best_cost = 1, None
+    minimizes the time of the grid, one CTA per SM, each CTA its share of key tiles plus a fixed
+    cost. Alike CTAs run in waves; under causal masking (causal = (nq, nk, rows per tile)) row
+    tiles see different key counts and the grid starts the longest first, so the time is the
+    larger of the work per SM and the longest CTA. A grid of few row tiles (decode) is split to
+    fill the SMs; a large one stays unsplit."""
     overhead = -(-SPLIT_OVERHEAD_KEYS // tile)
     top = max(1, min(MAX_SPLITS, key_tiles * tile // MIN_KEYS_PER_SPLIT, 65535 // batch))
-    for s in range(1, top + 1):
-        cost = -(-ctas * s // sms) * (-(-key_tiles // s) + overhead)
-        if best_cost is None or cost < best_cost:
-            best, best_cost = s, cost
-    return best
+    if causal is not None:
+        nq, nk, bm = causal
+        m_tiles = -(-nq // bm)
+        lengths = [-(-max(0, min(nk, (m + 1) * bm + nk - nq)) // tile) for m in range(m_tiles)]
+        copies = ctas // m_tiles
+
+    def cost(s):
+        if causal is None:
+            return -(-ctas * s // sms) * (-(-key_tiles // s) + overhead)
+        parts = [-(-n // s) + overhead for n in lengths]
+        return max(copies * s * sum(parts) / sms, max(parts))
+
+    return min(range(1, top + 1), key=cost)  # the fewest splits among the fastest
 
 
 def forward(
@@ -274,7 +284,10 @@ def forward(
     bn = consts["BN"]
     rows = B * H * NQ
     key_tiles = -(-(NK if cu_seqlens is None else longest) // bn)
-    splits = splits_for(m_tiles * H * seqs, key_tiles, seqs, _sm_count(index), bn) if rows < 2**31 else 1
+    splits = 1
+    if rows < 2**31:
+        shape = ((NQ, NK) if cu_seqlens is None else (longest, longest)) + (k.bm,) if causal else None
+        splits = splits_for(m_tiles * H * seqs, key_tiles, seqs, _sm_count(index), bn, shape)
     hgroup = min(H, CAUSAL_HEAD_GROUP) if causal else 1
     if schedule is not None:
         splits, hgroup = schedule.get("splits", splits), min(H, schedule.get("hgroup", hgroup))
