@@ -60,7 +60,8 @@
 //   SW128 layout). Keys past Nk and rows past Nq arrive as zeros; masked tiles (the ragged last
 //   key tile and the causal frontier) exclude their invalid keys explicitly.
 // Barriers: q_full (count 1, tx = Q bytes), full[s] (count 1, tx = K1 + K2 tile bytes),
-//   empty[s] (count NWG: one arrival per consumer warpgroup).
+//   empty[s] (count NWG: one arrival per consumer warpgroup); PERSIST: q_empty (count NWG, once
+//   per slot after its last GEMM), a slot's q_full phase its index among the CTA's slots.
 // Reads q1, k1, q2, k2 through 4-D tensor maps {D, N, heads, B} built from the tensors' strides
 //   (query head h reads key head h / g); writes kl, lse1, lse2 ([B, H, Nq] float32) of its rows,
 //   kl = 0 and lse = -inf on rows that see no key (splits > 1: part, [splits, B * H * Nq, 6]).
@@ -89,6 +90,13 @@
 #ifndef PINGPONG
 #define PINGPONG 1
 #endif
+// PERSIST (a variant, with WS): one CTA per SM walks the grid's slots (x, z) in turn, slot u =
+// blockIdx.x + j gridDim.x; the producer loads a slot's first key tiles, then its Q once every
+// consumer is done with the last slot's (q_empty), so a slot's prologue runs under the last one's
+// tail instead of in a CTA launch of its own.
+#ifndef PERSIST
+#define PERSIST 0
+#endif
 #ifndef ABLATE
 #define ABLATE 0
 #endif
@@ -103,6 +111,7 @@
 #endif
 static_assert(QREGS == 0 || BN == 64, "QREGS: 64-key tiles");
 static_assert(!OVERLAP || !PINGPONG, "OVERLAP replaces ping-pong");
+static_assert(!PERSIST || WS, "PERSIST: a producer warpgroup");
 // ABLATE (measurement only, for docs/cuda.md's ablations; the results are wrong): 1 runs no
 // exponential (e = t), 2 issues no S2 GEMM.
 #if ABLATE == 1
@@ -127,7 +136,7 @@ constexpr unsigned OFF_K1 = OFF_Q2 + NWG * Q2_WG;
 constexpr unsigned OFF_K2 = OFF_K1 + STAGES * K1_ST;
 constexpr unsigned OFF_BAR = OFF_K2 + STAGES * K2_ST;
 // 1024 bytes of slack: the dynamic shared memory base is aligned up to 1024 in the kernel.
-constexpr unsigned SMEM_BYTES = OFF_BAR + 8 * (1 + 2 * STAGES) + 1024;
+constexpr unsigned SMEM_BYTES = OFF_BAR + 8 * (1 + 2 * STAGES + PERSIST) + 1024;
 static_assert(SMEM_BYTES <= 232448, "exceeds the 227 KB of shared memory of an sm_90 CTA");
 // setmaxnreg moves registers inside the CTA's launch allocation (THREADS x the per-thread count
 // __launch_bounds__ allows, 65536 / THREADS rounded down to 8); an increase beyond it never returns.
@@ -147,6 +156,7 @@ struct Params {
   const int* cu;  // packed sequences: B + 1 offsets into the one packed batch (else null)
   int h, nq, nk, g1, g2, m_tiles, causal, splits, rows;  // rows = B * H * Nq (the tensors')
   int hgroup;  // heads per group of the grid's order (the header)
+  int slots;  // grid slots, x times z (PERSIST)
   float c1, c2;  // scale * log2(e)
 };
 
@@ -503,10 +513,41 @@ KL_DEV void finish(const Params& p, const Row* r, const int* rows, int nq, int l
   }
 }
 
-// Runs key tiles [t0, t0 + n) of its rows (all of them: n_tiles, split 0, without split-K).
-KL_DEV void consume(const Params& p, const Span& sp, int c, int tid, unsigned base, int m0, int t0, int n, int h1,
-                    int h2, int split) {
-  const unsigned bar_q = base + OFF_BAR, full = bar_q + 8, empty = full + 8 * STAGES;
+// The work of grid slot (x, z): its problem, first row, head, split and key tiles [t0, t0 + n).
+struct Work {
+  Span sp;
+  int m0, h, h1, h2, split, t0, n;
+};
+
+// False for a row tile past its packed sequence's end: no rows, no loads.
+KL_DEV bool work_of(const Params& p, unsigned x, unsigned z, Work& w) {
+  // Groups before this slot's are full (hgroup heads); the last may hold fewer.
+  const int group = x / (p.hgroup * p.m_tiles), g0 = group * p.hgroup;
+  const int in_group = min(p.hgroup, p.h - g0), r = x - g0 * p.m_tiles;
+  const int mt = p.m_tiles - 1 - r / in_group, h = g0 + r % in_group;
+  const int b = z / p.splits, split = z % p.splits;
+  const int m0 = mt * BM;
+  Span sp{p.nq, p.nk, 0, b, ((long long)b * p.h + h) * p.nq};
+  if (p.cu != nullptr) {
+    const int s0 = p.cu[b], len = p.cu[b + 1] - s0;
+    sp = Span{len, len, s0, 0, (long long)h * p.nq + s0};
+  }
+  if (m0 >= sp.nq) return false;
+  const int hi = p.causal ? min(sp.nk, m0 + BM + sp.nk - sp.nq) : sp.nk;  // keys this slot sees
+  const int n_tiles = hi > 0 ? (hi + BN - 1) / BN : 0;
+  // Split-K: split s runs key tiles [t0, t0 + n) of the row tile's n_tiles.
+  const int per = (n_tiles + p.splits - 1) / p.splits;
+  const int t0 = min(n_tiles, split * per), n = min(n_tiles, t0 + per) - t0;
+  w = Work{sp, m0, h, h / p.g1, h / p.g2, split, t0, n};
+  return true;
+}
+
+// Runs key tiles [t0, t0 + n) of its rows (all of them: n_tiles, split 0, without split-K); the
+// ring's stages from the CTA's load it0 on, Q of phase qphase (PERSIST: the CTA's slot count).
+KL_DEV void consume(const Params& p, const Work& w, int c, int tid, unsigned base, int it0, unsigned qphase) {
+  const Span& sp = w.sp;
+  const int m0 = w.m0, t0 = w.t0, n = w.n;
+  const unsigned bar_q = base + OFF_BAR, full = bar_q + 8, empty = full + 8 * STAGES, q_empty = empty + 8 * STAGES;
   const int warp = tid / 32, lane = tid % 32;
   const int r0 = m0 + 64 * c;  // this warpgroup's first row
   const int diag = sp.nk - sp.nq;  // bottom-right causal: row i sees keys j <= i + diag
@@ -526,19 +567,20 @@ KL_DEV void consume(const Params& p, const Span& sp, int c, int tid, unsigned ba
   float e1[NR], x2[NR];  // e1 = 2^(t1 - m1); x2 = t2 - ref(m2) (scores2)
   const unsigned long long dq1 = smem_desc(base + OFF_Q1 + c * Q1_WG), dq2 = smem_desc(base + OFF_Q2 + c * Q2_WG);
   const unsigned long long dk1 = smem_desc(base + OFF_K1), dk2 = smem_desc(base + OFF_K2);
-  mbar_wait(bar_q, 0);
+  mbar_wait(bar_q, qphase & 1);
 #if PINGPONG
   if (c == NWG - 1 && n > 0) named_arrive(1, 256);  // the first turn is warpgroup 0's
 #endif
   if (r0 >= sp.nq) {  // every row past Nq (decode): only the barrier duties, no GEMM, no update
     for (int i = 0; i < n; ++i) {
-      mbar_wait(full + 8 * (i % STAGES), (i / STAGES) & 1);
+      mbar_wait(full + 8 * ((it0 + i) % STAGES), ((it0 + i) / STAGES) & 1);
 #if PINGPONG
       named_sync(1 + c, 256);
       if (!(c == NWG - 1 && i == n - 1)) named_arrive(1 + (c + 1) % NWG, 256);
 #endif
-      if (tid == 0) mbar_arrive(empty + 8 * (i % STAGES));
+      if (tid == 0) mbar_arrive(empty + 8 * ((it0 + i) % STAGES));
     }
+    if (PERSIST && tid == 0) mbar_arrive(q_empty);
     return;  // (never warpgroup 0, which refills the ring when WS = 0: m0 < Nq)
   }
 #if QREGS & 1
@@ -555,8 +597,8 @@ KL_DEV void consume(const Params& p, const Span& sp, int c, int tid, unsigned ba
   int prev_rel[2] = {0, 0};
 #endif
   for (int i = 0; i < n; ++i) {
-    const int t = t0 + i, stage = i % STAGES;
-    const unsigned phase = (i / STAGES) & 1;
+    const int t = t0 + i, stage = (it0 + i) % STAGES;
+    const unsigned phase = ((it0 + i) / STAGES) & 1;
     mbar_wait(full + 8 * stage, phase);
 #if PINGPONG
     named_sync(1 + c, 256);
@@ -600,7 +642,7 @@ KL_DEV void consume(const Params& p, const Span& sp, int c, int tid, unsigned ba
 #if !WS
     if (c == 0 && tid == 0 && i + STAGES < n) {
       mbar_wait(empty + 8 * stage, phase);
-      load_k(p, base, full, sp.row0, t + STAGES, i + STAGES, h1, h2, sp.bq);
+      load_k(p, base, full, sp.row0, t + STAGES, i + STAGES, w.h1, w.h2, sp.bq);
     }
     __syncwarp();  // warp 0 reconverges before its next wgmma (.sync.aligned)
 #endif
@@ -612,36 +654,23 @@ KL_DEV void consume(const Params& p, const Span& sp, int c, int tid, unsigned ba
     __syncwarp();  // and before the next tile's bar.sync and wgmma
 #endif
   }
+  if (PERSIST && tid == 0) mbar_arrive(q_empty);  // every GEMM of the slot has read its Q
 #if OVERLAP
   if (n > 0) {
     update2_tile(prev_masked, e1, x2, r, prev_rel, n == 1);
   }
 #endif
-  finish(p, r, rows, sp.nq, lane, sp.out0, split);
+  finish(p, r, rows, sp.nq, lane, sp.out0, w.split);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1) kl_fwd(const __grid_constant__ Params p) {
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const unsigned base = (smem_addr(smem_raw) + 1023u) & ~1023u;
   const unsigned bar_q = base + OFF_BAR, full = bar_q + 8, empty = full + 8 * STAGES;
-  // Groups before this CTA's are full (hgroup heads); the last may hold fewer.
-  const int group = blockIdx.x / (p.hgroup * p.m_tiles), g0 = group * p.hgroup;
-  const int in_group = min(p.hgroup, p.h - g0), r = blockIdx.x - g0 * p.m_tiles;
-  const int mt = p.m_tiles - 1 - r / in_group, h = g0 + r % in_group;
-  const int b = blockIdx.z / p.splits, split = blockIdx.z % p.splits;
-  const int m0 = mt * BM;
-  Span sp{p.nq, p.nk, 0, b, ((long long)b * p.h + h) * p.nq};
-  if (p.cu != nullptr) {
-    const int s0 = p.cu[b], len = p.cu[b + 1] - s0;
-    sp = Span{len, len, s0, 0, (long long)h * p.nq + s0};
-  }
-  if (m0 >= sp.nq) return;  // a row tile past its packed sequence's end: no rows, no loads
-  const int hi = p.causal ? min(sp.nk, m0 + BM + sp.nk - sp.nq) : sp.nk;  // keys this CTA sees
-  const int n_tiles = hi > 0 ? (hi + BN - 1) / BN : 0;
-  // Split-K: split s runs key tiles [t0, t0 + n) of the row tile's n_tiles.
-  const int per = (n_tiles + p.splits - 1) / p.splits;
-  const int t0 = min(n_tiles, split * per), n = min(n_tiles, t0 + per) - t0;
-  const int h1 = h / p.g1, h2 = h / p.g2;
+#if !PERSIST
+  Work w;
+  if (!work_of(p, blockIdx.x, blockIdx.z, w)) return;
+#endif
   const int tid = threadIdx.x;
   unsigned dyn_smem;
   asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_smem));
@@ -652,6 +681,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kl_fwd(const __grid_con
       mbar_init(full + 8 * s, 1);
       mbar_init(empty + 8 * s, NWG);
     }
+    if (PERSIST) mbar_init(empty + 8 * STAGES, NWG);  // q_empty
     mbar_init_fence();
     tma_prefetch(&p.q1);
     tma_prefetch(&p.k1);
@@ -659,14 +689,53 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kl_fwd(const __grid_con
     tma_prefetch(&p.k2);
   }
   __syncthreads();
-#if WS
+#if PERSIST
+  const int xs = p.m_tiles * p.h;
   if (tid < 128) {
     regs_dec<REG_PROD>();
     if (tid == 0) {
-      load_q(p, base, bar_q, sp.row0 + m0, h, sp.bq);
-      for (int i = 0; i < n; ++i) {
+      const unsigned q_empty = empty + 8 * STAGES;
+      int it = 0, k = 0;  // key tiles loaded, slots begun
+      for (int u = blockIdx.x; u < p.slots; u += gridDim.x) {
+        Work w;
+        if (!work_of(p, u % xs, u / xs, w)) continue;
+        // A slot's first key tiles wait only for free stages; its Q waits for the last slot's GEMMs.
+        const int pre = min(w.n, STAGES);
+        for (int i = 0; i < max(w.n, 1); ++i) {
+          if (i < w.n) {
+            mbar_wait(empty + 8 * (it % STAGES), ((it / STAGES) & 1) ^ 1);
+            load_k(p, base, full, w.sp.row0, w.t0 + i, it, w.h1, w.h2, w.sp.bq);
+            ++it;
+          }
+          if (i == max(pre, 1) - 1) {
+            if (k > 0) mbar_wait(q_empty, (k - 1) & 1);
+            load_q(p, base, bar_q, w.sp.row0 + w.m0, w.h, w.sp.bq);
+          }
+        }
+        ++k;
+      }
+    }
+    return;
+  }
+  regs_inc<REG_CONS>();
+  {
+    const int c = __shfl_sync(0xffffffffu, tid / 128, 0) - 1;
+    int it = 0, k = 0;
+    for (int u = blockIdx.x; u < p.slots; u += gridDim.x) {
+      Work w;
+      if (!work_of(p, u % xs, u / xs, w)) continue;
+      consume(p, w, c, tid % 128, base, it, k);
+      it += w.n, ++k;
+    }
+  }
+#elif WS
+  if (tid < 128) {
+    regs_dec<REG_PROD>();
+    if (tid == 0) {
+      load_q(p, base, bar_q, w.sp.row0 + w.m0, w.h, w.sp.bq);
+      for (int i = 0; i < w.n; ++i) {
         mbar_wait(empty + 8 * (i % STAGES), ((i / STAGES) & 1) ^ 1);
-        load_k(p, base, full, sp.row0, t0 + i, i, h1, h2, sp.bq);
+        load_k(p, base, full, w.sp.row0, w.t0 + i, i, w.h1, w.h2, w.sp.bq);
       }
     }
     return;
@@ -674,13 +743,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kl_fwd(const __grid_con
   regs_inc<REG_CONS>();
   // Read through a shuffle, the warpgroup index is warp-uniform to the compiler, so the
   // descriptors built from it stay in uniform registers.
-  consume(p, sp, __shfl_sync(0xffffffffu, tid / 128, 0) - 1, tid % 128, base, m0, t0, n, h1, h2, split);
+  consume(p, w, __shfl_sync(0xffffffffu, tid / 128, 0) - 1, tid % 128, base, 0, 0);
 #else
   if (tid == 0) {
-    load_q(p, base, bar_q, sp.row0 + m0, h, sp.bq);
-    for (int i = 0; i < n && i < STAGES; ++i) load_k(p, base, full, sp.row0, t0 + i, i, h1, h2, sp.bq);
+    load_q(p, base, bar_q, w.sp.row0 + w.m0, w.h, w.sp.bq);
+    for (int i = 0; i < w.n && i < STAGES; ++i) load_k(p, base, full, w.sp.row0, w.t0 + i, i, w.h1, w.h2, w.sp.bq);
   }
-  consume(p, sp, tid / 128, tid % 128, base, m0, t0, n, h1, h2, split);
+  consume(p, w, tid / 128, tid % 128, base, 0, 0);
 #endif
 }
 
