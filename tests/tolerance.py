@@ -51,61 +51,42 @@ def _dense(inputs, dtype, causal, scale1, scale2, cu_seqlens, grad):
     return kl.detach(), lse1.detach(), lse2.detach(), grads
 
 
-def _ds_rounding(inputs, causal, scale1, scale2, cu_seqlens, grad):
-    """Per gradient row (dq1, dk1, dq2, dk2), eps of its pair's dtype (0 unless 16-bit) times the
-    size of its terms: |scale| sum_j |dS_ij| |k_j| for dq, |scale| sum_i |dS_ij| |q_i| for dk
-    (over the query heads of the key head's group), with dS1 = g P1 (r - KL), dS2 = g (P2 - P1)
-    the gradients of KL by the logits and r the log-ratio."""
-    x1, y1, x2, y2 = (t.detach().cpu().double() for t in inputs)
+def _row_scales(inputs, causal, scale1, scale2, cu_seqlens, grad):
+    """What the bars scale with, from float64 logits:
+    - per (b, h, i): M, the size the row's logits are rounded at (max over the keys it sees of
+      |scale1| |q1_i| |k1_j| + |scale2| |q2_i| |k2_j|: a dot product's rounding scales with the
+      norms, not with its value), and how much KL moves per unit of logit error: dKL/dS1_j =
+      P1_j (r_j - KL) with r_j the log-ratio, dKL/dS2_j = P2_j - P1_j, so at most
+      2 + sum_j P1_j |r_j - KL| (which grows with the logits at one-hot rows). 0 for empty rows;
+    - per gradient row (dq1, dk1, dq2, dk2), eps of its pair's dtype (0 unless 16-bit) times the
+      size of its terms: |scale| sum_j |dS_ij| |k_j| for dq, |scale| sum_i |dS_ij| |q_i| for dk
+      (over the query heads of the key head's group), dS = g dKL/dS."""
+    x = [t.detach().cpu().double() for t in inputs]
     cu = None if cu_seqlens is None else cu_seqlens.cpu()
-    mask = visible_mask(x1.shape[-2], y1.shape[-2], causal, cu_seqlens=cu)
-    logps = []
-    for q, k, scale in ((x1, y1, scale1), (x2, y2, scale2)):
-        s = (q @ k.repeat_interleave(q.shape[1] // k.shape[1], 1).mT * scale).masked_fill(~mask, -math.inf)
-        logps.append(torch.where(mask, s.log_softmax(-1), 0.0).nan_to_num(0.0))
-    p1, p2 = (torch.where(mask, lp.exp(), 0.0) for lp in logps)
-    ratio = logps[0] - logps[1]
+    mask = visible_mask(x[0].shape[-2], x[1].shape[-2], causal, cu_seqlens=cu)
+    size, logp = 0.0, []
+    for q, k, scale in ((x[0], x[1], scale1), (x[2], x[3], scale2)):
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], 1)
+        size = size + q.norm(dim=-1, keepdim=True) @ k.norm(dim=-1, keepdim=True).mT * abs(scale)
+        s = (q @ k.mT * scale).masked_fill(~mask, -math.inf)
+        logp.append(torch.where(mask, s.log_softmax(-1), 0.0).nan_to_num(0.0))
+    p1, p2 = (torch.where(mask, lp.exp(), 0.0) for lp in logp)
+    ratio = logp[0] - logp[1]
     kl = (p1 * ratio).sum(-1, keepdim=True)
+    spread = torch.where(mask.any(-1), 2.0 + (p1 * (ratio - kl).abs()).sum(-1), 0.0)
+    size = size.masked_fill(~mask, 0.0)
+    size = size.amax(-1) if size.shape[-1] else size.new_zeros(size.shape[:-1])
     g = grad.double()[..., None]
-    out = []
-    for q, k, scale, ds, inp in (
-        (x1, y1, scale1, g * p1 * (ratio - kl), inputs[0]),
-        (x2, y2, scale2, g * (p2 - p1), inputs[2]),
-    ):
+    rounding = []
+    for (q, k, scale, inp), ds in zip(((x[0], x[1], scale1, inputs[0]), (x[2], x[3], scale2, inputs[2])),
+                                      (g * p1 * (ratio - kl), g * (p2 - p1))):  # fmt: skip
         eps = torch.finfo(inp.dtype).eps if inp.dtype in (torch.float16, torch.bfloat16) else 0.0
         groups = q.shape[1] // k.shape[1]
         ds = ds.abs() * abs(scale) * eps
         dq = ds @ k.norm(dim=-1).repeat_interleave(groups, 1)[..., None]
         dk = (ds * q.norm(dim=-1)[..., None]).sum(-2)
-        out += [dq[..., 0], dk.unflatten(1, (k.shape[1], groups)).sum(2)]
-    return out
-
-
-def _row_scales(q1, k1, q2, k2, causal, scale1, scale2, cu_seqlens):
-    """Per (b, h, i): M, the size the row's logits are rounded at (max over the keys it sees of
-    |scale1| |q1_i| |k1_j| + |scale2| |q2_i| |k2_j|: a dot product's rounding scales with the
-    norms, not with its value), and how much KL moves per unit of logit error: dKL/dS1_j =
-    P1_j (r_j - KL) with r_j the log-ratio, dKL/dS2_j = P2_j - P1_j, so at most
-    2 + sum_j P1_j |r_j - KL| (which grows with the logits at one-hot rows). 0 for empty rows."""
-    x1, y1, x2, y2 = (t.detach().cpu().double() for t in (q1, k1, q2, k2))
-    norms = [t.norm(dim=-1, keepdim=True) for t in (x1, y1, x2, y2)]
-    cu = None if cu_seqlens is None else cu_seqlens.cpu()
-    mask = visible_mask(x1.shape[-2], y1.shape[-2], causal, cu_seqlens=cu)
-    groups1, groups2 = x1.shape[1] // y1.shape[1], x2.shape[1] // y2.shape[1]
-    size = norms[0] @ norms[1].repeat_interleave(groups1, 1).mT * abs(scale1)
-    size = size + norms[2] @ norms[3].repeat_interleave(groups2, 1).mT * abs(scale2)
-    s1 = (x1 @ y1.repeat_interleave(groups1, 1).mT * scale1).masked_fill(~mask, -math.inf)
-    s2 = (x2 @ y2.repeat_interleave(groups2, 1).mT * scale2).masked_fill(~mask, -math.inf)
-    seen = mask.any(-1)
-    logp1 = torch.where(mask, s1.log_softmax(-1), 0.0).nan_to_num(0.0)
-    logp2 = torch.where(mask, s2.log_softmax(-1), 0.0).nan_to_num(0.0)
-    p1 = torch.where(mask, logp1.exp(), 0.0)
-    ratio = logp1 - logp2
-    kl = (p1 * ratio).sum(-1, keepdim=True)
-    spread = torch.where(seen, 2.0 + (p1 * (ratio - kl).abs()).sum(-1), 0.0)
-    size = size.masked_fill(~mask, 0.0)
-    size = size.amax(-1) if size.shape[-1] else size.new_zeros(size.shape[:-1])
-    return size, spread
+        rounding += [dq[..., 0], dk.unflatten(1, (k.shape[1], groups)).sum(2)]
+    return size, spread, rounding
 
 
 class Expected:
@@ -134,7 +115,9 @@ class Expected:
         self.dense_grad_err = [
             _row_norm(d.to(t.dtype).double() - r) for d, r, t in zip(dense_grads, self.grads, inputs)
         ]
-        self.magnitude, self.spread = _row_scales(*inputs, causal, self.scale1, self.scale2, cu_seqlens)
+        self.magnitude, self.spread, self.ds_rounding = _row_scales(
+            inputs, causal, self.scale1, self.scale2, cu_seqlens, self.grad
+        )
         m = 1.0 + _largest(self.magnitude)
         gmax = _largest(self.grad.abs())
         gsum = self.grad.abs().sum().item()
@@ -143,7 +126,6 @@ class Expected:
             qn, kn = (_largest(_row_norm(t.detach().cpu().double())) for t in (q, k))
             unit = FLOOR * self.eps * m * abs(scale)
             self.grad_floor += [unit * gmax * kn, unit * gsum * qn]  # dq: one row's dS; dk: all rows
-        self.ds_rounding = _ds_rounding(inputs, causal, self.scale1, self.scale2, cu_seqlens, self.grad)
 
     def check_kl(self, kl, what="kl"):
         kl = kl.detach().cpu().double()

@@ -253,10 +253,10 @@ def forward(
     out=None,
 ):  # fmt: skip
     """(kl, lse1, lse2) of dense or packed inputs (cu_seqlens: int32 offsets on the inputs'
-    device, max_seqlen: at least the longest sequence); consts, schedule: an instantiation and
-    {"splits": , "hgroup": } replacing the chosen ones (benchmarks/cuda_fwd.py's variants); out: three
-    (B, H, Nq) float32 contiguous tensors to write instead of fresh ones (the benchmark poisons
-    them first)."""
+    device, max_seqlen: at least the longest sequence); consts: an instantiation replacing the
+    shipped one, schedule: {"splits": s, "hgroup": g}, either replacing the chosen one
+    (benchmarks/cuda_fwd.py's variants); out: three (B, H, Nq) float32 contiguous tensors to
+    write instead of fresh ones (the benchmark poisons them first)."""
     B, H, NQ, D1 = q1.shape
     NK, D2 = k1.shape[2], q2.shape[3]
     dev = q1.device
