@@ -542,6 +542,16 @@ KL_DEV bool work_of(const Params& p, unsigned x, unsigned z, Work& w) {
   return true;
 }
 
+// PERSIST: consumer warpgroup c is done with its slot's Q. Its four warps meet first (named
+// barrier NWG + 1 + c; ping-pong takes 1..NWG): each has passed the slot's q_full wait and its
+// reads of Q, which no wgmma ties together in a slot without GEMMs.
+KL_DEV void release_q(unsigned q_empty, int c, int tid) {
+  if (PERSIST) {
+    named_sync(NWG + 1 + c, 128);
+    if (tid == 0) mbar_arrive(q_empty);
+  }
+}
+
 // Runs key tiles [t0, t0 + n) of its rows (all of them: n_tiles, split 0, without split-K); the
 // ring's stages from the CTA's load it0 on, Q of phase qphase (PERSIST: the CTA's slot count).
 KL_DEV void consume(const Params& p, const Work& w, int c, int tid, unsigned base, int it0, unsigned qphase) {
@@ -573,14 +583,15 @@ KL_DEV void consume(const Params& p, const Work& w, int c, int tid, unsigned bas
 #endif
   if (r0 >= sp.nq) {  // every row past Nq (decode): only the barrier duties, no GEMM, no update
     for (int i = 0; i < n; ++i) {
-      mbar_wait(full + 8 * ((it0 + i) % STAGES), ((it0 + i) / STAGES) & 1);
+      // PERSIST: the one thread that arrives waits, so no warp falls a ring's phase behind it
+      if (!PERSIST || tid == 0) mbar_wait(full + 8 * ((it0 + i) % STAGES), ((it0 + i) / STAGES) & 1);
 #if PINGPONG
       named_sync(1 + c, 256);
       if (!(c == NWG - 1 && i == n - 1)) named_arrive(1 + (c + 1) % NWG, 256);
 #endif
       if (tid == 0) mbar_arrive(empty + 8 * ((it0 + i) % STAGES));
     }
-    if (PERSIST && tid == 0) mbar_arrive(q_empty);
+    release_q(q_empty, c, tid);
     return;  // (never warpgroup 0, which refills the ring when WS = 0: m0 < Nq)
   }
 #if QREGS & 1
@@ -654,7 +665,7 @@ KL_DEV void consume(const Params& p, const Work& w, int c, int tid, unsigned bas
     __syncwarp();  // and before the next tile's bar.sync and wgmma
 #endif
   }
-  if (PERSIST && tid == 0) mbar_arrive(q_empty);  // every GEMM of the slot has read its Q
+  release_q(q_empty, c, tid);  // every GEMM of the slot has read its Q
 #if OVERLAP
   if (n > 0) {
     update2_tile(prev_masked, e1, x2, r, prev_rel, n == 1);
