@@ -24,8 +24,8 @@ SMEM_LIMIT = 232448  # dynamic shared memory one sm_90 CTA may opt into (227 KB)
 TMA_BOX = 64  # 16-bit columns per TMA box: one 128-byte swizzle span
 MAX_D = 128  # head dims are padded (by TMA's zero fill) to 64 or 128
 PARAMS_BYTES = 640  # sizeof(Params) in kl_fwd.cu: four 128-byte maps, then the scalars
-# kl, lse1, lse2, part, cu, h, nq, nk, g1, g2, m_tiles, causal, splits, rows, hgroup, slots, c1, c2
-_SCALARS = struct.Struct("<5Q11i2f")
+# kl, lse1, lse2, part, cu, h, nq, nk, g1, g2, m_tiles, causal, splits, rows, hgroup, c1, c2, slots
+_SCALARS = struct.Struct("<5Q10i2fi")
 _PAD = bytes(PARAMS_BYTES - 4 * 128 - _SCALARS.size)
 SOURCE_FILE = "kl_fwd.cu"
 ENTRY = "kl_fwd"
@@ -313,9 +313,9 @@ def forward(
             splits,
             rows if splits > 1 else 0,
             hgroup,
-            m_tiles * H * seqs * splits,
             float(scale1) * LOG2E,
             float(scale2) * LOG2E,
+            m_tiles * H * seqs * splits,
         )
         + _PAD
     )

@@ -156,8 +156,8 @@ struct Params {
   const int* cu;  // packed sequences: B + 1 offsets into the one packed batch (else null)
   int h, nq, nk, g1, g2, m_tiles, causal, splits, rows;  // rows = B * H * Nq (the tensors')
   int hgroup;  // heads per group of the grid's order (the header)
-  int slots;  // grid slots, x times z (PERSIST)
   float c1, c2;  // scale * log2(e)
+  int slots;  // grid slots, x times z (PERSIST)
 };
 
 static_assert(sizeof(Params) == 640, "PARAMS_BYTES in _launch.py packs this layout");
