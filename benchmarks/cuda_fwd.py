@@ -46,8 +46,6 @@ VARIANTS = {
     "r-qsmem": dict(SHIPPED, QREGS=0),
     "r-q1regs": dict(SHIPPED, QREGS=1),
     "r-q2regs": dict(SHIPPED, QREGS=2),
-    # one CTA per SM walks the grid's slots, a slot's prologue under the last one's tail (queued)
-    "p-persist": dict(SHIPPED, PERSIST=1),
     "x-noexp": dict(SHIPPED, ABLATE=1),
     "x-onegemm": dict(SHIPPED, ABLATE=2),
     "x-2stage": dict(SHIPPED, STAGES=2),

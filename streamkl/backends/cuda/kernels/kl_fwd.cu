@@ -60,8 +60,7 @@
 //   SW128 layout). Keys past Nk and rows past Nq arrive as zeros; masked tiles (the ragged last
 //   key tile and the causal frontier) exclude their invalid keys explicitly.
 // Barriers: q_full (count 1, tx = Q bytes), full[s] (count 1, tx = K1 + K2 tile bytes),
-//   empty[s] (count NWG: one arrival per consumer warpgroup); PERSIST: q_empty (count NWG, once
-//   per slot after its last GEMM), a slot's q_full phase its index among the CTA's slots.
+//   empty[s] (count NWG: one arrival per consumer warpgroup).
 // Reads q1, k1, q2, k2 through 4-D tensor maps {D, N, heads, B} built from the tensors' strides
 //   (query head h reads key head h / g); writes kl, lse1, lse2 ([B, H, Nq] float32) of its rows,
 //   kl = 0 and lse = -inf on rows that see no key (splits > 1: part, [splits, B * H * Nq, 6]).
@@ -90,13 +89,6 @@
 #ifndef PINGPONG
 #define PINGPONG 1
 #endif
-// PERSIST (a variant, with WS): one CTA per SM walks the grid's slots (x, z) in turn, slot u =
-// blockIdx.x + j gridDim.x; the producer loads a slot's first key tiles, then its Q once every
-// consumer is done with the last slot's (q_empty), so a slot's prologue runs under the last one's
-// tail instead of in a CTA launch of its own.
-#ifndef PERSIST
-#define PERSIST 0
-#endif
 #ifndef ABLATE
 #define ABLATE 0
 #endif
@@ -111,7 +103,6 @@
 #endif
 static_assert(QREGS == 0 || BN == 64, "QREGS: 64-key tiles");
 static_assert(!OVERLAP || !PINGPONG, "OVERLAP replaces ping-pong");
-static_assert(!PERSIST || WS, "PERSIST: a producer warpgroup");
 // ABLATE (measurement only, for docs/cuda.md's ablations; the results are wrong): 1 runs no
 // exponential (e = t), 2 issues no S2 GEMM.
 #if ABLATE == 1
@@ -136,7 +127,7 @@ constexpr unsigned OFF_K1 = OFF_Q2 + NWG * Q2_WG;
 constexpr unsigned OFF_K2 = OFF_K1 + STAGES * K1_ST;
 constexpr unsigned OFF_BAR = OFF_K2 + STAGES * K2_ST;
 // 1024 bytes of slack: the dynamic shared memory base is aligned up to 1024 in the kernel.
-constexpr unsigned SMEM_BYTES = OFF_BAR + 8 * (1 + 2 * STAGES + PERSIST) + 1024;
+constexpr unsigned SMEM_BYTES = OFF_BAR + 8 * (1 + 2 * STAGES) + 1024;
 static_assert(SMEM_BYTES <= 232448, "exceeds the 227 KB of shared memory of an sm_90 CTA");
 // setmaxnreg moves registers inside the CTA's launch allocation (THREADS x the per-thread count
 // __launch_bounds__ allows, 65536 / THREADS rounded down to 8); an increase beyond it never returns.
@@ -157,7 +148,6 @@ struct Params {
   int h, nq, nk, g1, g2, m_tiles, causal, splits, rows;  // rows = B * H * Nq (the tensors')
   int hgroup;  // heads per group of the grid's order (the header)
   float c1, c2;  // scale * log2(e)
-  int slots;  // grid slots, x times z (PERSIST)
 };
 
 static_assert(sizeof(Params) == 640, "PARAMS_BYTES in _launch.py packs this layout");
@@ -542,22 +532,12 @@ KL_DEV bool work_of(const Params& p, unsigned x, unsigned z, Work& w) {
   return true;
 }
 
-// PERSIST: consumer warpgroup c is done with its slot's Q. Its four warps meet first (named
-// barrier NWG + 1 + c; ping-pong takes 1..NWG): each has passed the slot's q_full wait and its
-// reads of Q, which no wgmma ties together in a slot without GEMMs.
-KL_DEV void release_q(unsigned q_empty, int c, int tid) {
-  if (PERSIST) {
-    named_sync(NWG + 1 + c, 128);
-    if (tid == 0) mbar_arrive(q_empty);
-  }
-}
-
 // Runs key tiles [t0, t0 + n) of its rows (all of them: n_tiles, split 0, without split-K); the
-// ring's stages from the CTA's load it0 on, Q of phase qphase (PERSIST: the CTA's slot count).
-KL_DEV void consume(const Params& p, const Work& w, int c, int tid, unsigned base, int it0, unsigned qphase) {
+// ring's stages from the first on.
+KL_DEV void consume(const Params& p, const Work& w, int c, int tid, unsigned base) {
   const Span& sp = w.sp;
   const int m0 = w.m0, t0 = w.t0, n = w.n;
-  const unsigned bar_q = base + OFF_BAR, full = bar_q + 8, empty = full + 8 * STAGES, q_empty = empty + 8 * STAGES;
+  const unsigned bar_q = base + OFF_BAR, full = bar_q + 8, empty = full + 8 * STAGES;
   const int warp = tid / 32, lane = tid % 32;
   const int r0 = m0 + 64 * c;  // this warpgroup's first row
   const int diag = sp.nk - sp.nq;  // bottom-right causal: row i sees keys j <= i + diag
@@ -577,21 +557,21 @@ KL_DEV void consume(const Params& p, const Work& w, int c, int tid, unsigned bas
   float e1[NR], x2[NR];  // e1 = 2^(t1 - m1); x2 = t2 - ref(m2) (scores2)
   const unsigned long long dq1 = smem_desc(base + OFF_Q1 + c * Q1_WG), dq2 = smem_desc(base + OFF_Q2 + c * Q2_WG);
   const unsigned long long dk1 = smem_desc(base + OFF_K1), dk2 = smem_desc(base + OFF_K2);
-  mbar_wait(bar_q, qphase & 1);
+  mbar_wait(bar_q, 0);
 #if PINGPONG
   if (c == NWG - 1 && n > 0) named_arrive(1, 256);  // the first turn is warpgroup 0's
 #endif
   if (r0 >= sp.nq) {  // every row past Nq (decode): only the barrier duties, no GEMM, no update
     for (int i = 0; i < n; ++i) {
-      // PERSIST: the one thread that arrives waits, so no warp falls a ring's phase behind it
-      if (!PERSIST || tid == 0) mbar_wait(full + 8 * ((it0 + i) % STAGES), ((it0 + i) / STAGES) & 1);
+      // The one thread that releases a stage waits for it: a warp that waited for nothing it
+      // reads could fall a whole phase of the ring behind the releases and never see its parity.
+      if (tid == 0) mbar_wait(full + 8 * (i % STAGES), (i / STAGES) & 1);
 #if PINGPONG
       named_sync(1 + c, 256);
       if (!(c == NWG - 1 && i == n - 1)) named_arrive(1 + (c + 1) % NWG, 256);
 #endif
-      if (tid == 0) mbar_arrive(empty + 8 * ((it0 + i) % STAGES));
+      if (tid == 0) mbar_arrive(empty + 8 * (i % STAGES));
     }
-    release_q(q_empty, c, tid);
     return;  // (never warpgroup 0, which refills the ring when WS = 0: m0 < Nq)
   }
 #if QREGS & 1
@@ -608,8 +588,8 @@ KL_DEV void consume(const Params& p, const Work& w, int c, int tid, unsigned bas
   int prev_rel[2] = {0, 0};
 #endif
   for (int i = 0; i < n; ++i) {
-    const int t = t0 + i, stage = (it0 + i) % STAGES;
-    const unsigned phase = ((it0 + i) / STAGES) & 1;
+    const int t = t0 + i, stage = i % STAGES;
+    const unsigned phase = (i / STAGES) & 1;
     mbar_wait(full + 8 * stage, phase);
 #if PINGPONG
     named_sync(1 + c, 256);
@@ -665,7 +645,6 @@ KL_DEV void consume(const Params& p, const Work& w, int c, int tid, unsigned bas
     __syncwarp();  // and before the next tile's bar.sync and wgmma
 #endif
   }
-  release_q(q_empty, c, tid);  // every GEMM of the slot has read its Q
 #if OVERLAP
   if (n > 0) {
     update2_tile(prev_masked, e1, x2, r, prev_rel, n == 1);
@@ -678,10 +657,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kl_fwd(const __grid_con
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const unsigned base = (smem_addr(smem_raw) + 1023u) & ~1023u;
   const unsigned bar_q = base + OFF_BAR, full = bar_q + 8, empty = full + 8 * STAGES;
-#if !PERSIST
   Work w;
   if (!work_of(p, blockIdx.x, blockIdx.z, w)) return;
-#endif
   const int tid = threadIdx.x;
   unsigned dyn_smem;
   asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_smem));
@@ -692,7 +669,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kl_fwd(const __grid_con
       mbar_init(full + 8 * s, 1);
       mbar_init(empty + 8 * s, NWG);
     }
-    if (PERSIST) mbar_init(empty + 8 * STAGES, NWG);  // q_empty
     mbar_init_fence();
     tma_prefetch(&p.q1);
     tma_prefetch(&p.k1);
@@ -700,46 +676,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kl_fwd(const __grid_con
     tma_prefetch(&p.k2);
   }
   __syncthreads();
-#if PERSIST
-  const int xs = p.m_tiles * p.h;
-  if (tid < 128) {
-    regs_dec<REG_PROD>();
-    if (tid == 0) {
-      const unsigned q_empty = empty + 8 * STAGES;
-      int it = 0, k = 0;  // key tiles loaded, slots begun
-      for (int u = blockIdx.x; u < p.slots; u += gridDim.x) {
-        Work w;
-        if (!work_of(p, u % xs, u / xs, w)) continue;
-        // A slot's first key tiles wait only for free stages; its Q waits for the last slot's GEMMs.
-        const int pre = min(w.n, STAGES);
-        for (int i = 0; i < max(w.n, 1); ++i) {
-          if (i < w.n) {
-            mbar_wait(empty + 8 * (it % STAGES), ((it / STAGES) & 1) ^ 1);
-            load_k(p, base, full, w.sp.row0, w.t0 + i, it, w.h1, w.h2, w.sp.bq);
-            ++it;
-          }
-          if (i == max(pre, 1) - 1) {
-            if (k > 0) mbar_wait(q_empty, (k - 1) & 1);
-            load_q(p, base, bar_q, w.sp.row0 + w.m0, w.h, w.sp.bq);
-          }
-        }
-        ++k;
-      }
-    }
-    return;
-  }
-  regs_inc<REG_CONS>();
-  {
-    const int c = __shfl_sync(0xffffffffu, tid / 128, 0) - 1;
-    int it = 0, k = 0;
-    for (int u = blockIdx.x; u < p.slots; u += gridDim.x) {
-      Work w;
-      if (!work_of(p, u % xs, u / xs, w)) continue;
-      consume(p, w, c, tid % 128, base, it, k);
-      it += w.n, ++k;
-    }
-  }
-#elif WS
+#if WS
   if (tid < 128) {
     regs_dec<REG_PROD>();
     if (tid == 0) {
@@ -754,13 +691,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kl_fwd(const __grid_con
   regs_inc<REG_CONS>();
   // Read through a shuffle, the warpgroup index is warp-uniform to the compiler, so the
   // descriptors built from it stay in uniform registers.
-  consume(p, w, __shfl_sync(0xffffffffu, tid / 128, 0) - 1, tid % 128, base, 0, 0);
+  consume(p, w, __shfl_sync(0xffffffffu, tid / 128, 0) - 1, tid % 128, base);
 #else
   if (tid == 0) {
     load_q(p, base, bar_q, w.sp.row0 + w.m0, w.h, w.sp.bq);
     for (int i = 0; i < w.n && i < STAGES; ++i) load_k(p, base, full, w.sp.row0, w.t0 + i, i, w.h1, w.h2, w.sp.bq);
   }
-  consume(p, w, tid / 128, tid % 128, base, 0, 0);
+  consume(p, w, tid / 128, tid % 128, base);
 #endif
 }
 
