@@ -1,0 +1,129 @@
+"""Work per clock: each workload runs alone for a few seconds while nvidia-smi samples the SM
+clock and the board power every 50 ms, so a rate can be compared at the clock it ran at (the
+chip lowers its clock when it draws more power). Workloads, B=1 H=32 bf16: the bf16 8192^3 GEMM,
+cuDNN's attention forward, the cuda forward and its no-exponential ablation, the triton forward.
+Prints TFLOP/s, the median SM clock, the mean power and FLOP per clock per SM; --json writes it.
+
+    python benchmarks/clocks.py [--seconds 3] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import subprocess
+import tempfile
+import time
+
+import torch
+
+import streamkl
+from benchmarks import cuda_fwd, sdpa_trick
+from streamkl.testing import make_inputs
+
+FIELDS = "timestamp,clocks.sm,power.draw,temperature.gpu"
+REASONS = ("clocks_event_reasons.active", "clocks_throttle_reasons.active")  # newer, older name
+
+
+def query_fields() -> str:
+    for reasons in REASONS:
+        probe = subprocess.run(
+            ["nvidia-smi", f"--query-gpu={FIELDS},{reasons}", "--format=csv"], capture_output=True
+        )
+        if probe.returncode == 0:
+            return f"{FIELDS},{reasons}"
+    return FIELDS
+
+
+def workloads(n: int):
+    """(name, TFLOP per call, call) for each workload."""
+    a, b = (torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    out = [("gemm-bf16-8192", 2 * 8192**3, lambda: a @ b)]
+    for d in (128, 64):
+        inputs = make_inputs(b=1, h=32, nq=n, nk=n, d1=d, d2=d, dtype=torch.bfloat16, device="cuda", seed=d)
+        flops = 4 * 32 * n * n * d
+        q1, k1 = inputs[:2]
+        out.append(
+            (
+                f"attention-cudnn-d{d}",
+                flops,
+                lambda q=q1, k=k1, d=d: sdpa_trick.attention(q, k, k, False, d**-0.5, "cudnn"),
+            )
+        )
+        for v in ("f-3wg64-overlap", "x-noexp"):
+            c = cuda_fwd.consts_for(v, d, d, torch.bfloat16)
+            out.append((f"cuda-{v}-d{d}", flops, lambda x=inputs, c=c: cuda_fwd.run_cuda(x, False, c)))
+        out.append((f"triton-d{d}", flops, lambda x=inputs: streamkl.attn_kl(*x, backend="triton")))
+    return out
+
+
+def run(name, flops, fn, seconds):
+    fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    batch = max(1, int(0.05 / max(time.perf_counter() - t, 1e-6)))  # about 50 ms of calls per sync
+    start, calls, t0 = datetime.datetime.now(), 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        for _ in range(batch):
+            fn()
+        torch.cuda.synchronize()
+        calls += batch
+    wall = time.perf_counter() - t0
+    return dict(name=name, start=start, end=datetime.datetime.now(), tflops=flops * calls / wall / 1e12)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seconds", type=float, default=3.0)
+    ap.add_argument("--n", type=int, default=16384, help="sequence length of the attention workloads")
+    ap.add_argument("--json")
+    ap.add_argument("--commit", default="?")
+    args = ap.parse_args(argv)
+    log = tempfile.TemporaryFile("w+")  # a file, not a pipe: nothing blocks the sampler
+    query = ["nvidia-smi", f"--query-gpu={query_fields()}", "--format=csv,noheader,nounits", "-lms", "50"]
+    smi = subprocess.Popen(query, stdout=log, text=True)
+    rows = []
+    for name, flops, fn in workloads(args.n):
+        rows.append(run(name, flops, fn, args.seconds))
+        time.sleep(0.5)
+    smi.terminate()
+    smi.wait()
+    log.seek(0)
+    samples = []
+    for line in log.read().splitlines():
+        f = [x.strip() for x in line.split(",")]
+        try:
+            stamp = datetime.datetime.strptime(f[0], "%Y/%m/%d %H:%M:%S.%f")
+            samples.append((stamp, float(f[1]), float(f[2]), f[4] if len(f) > 4 else "?"))
+        except (ValueError, IndexError):
+            continue
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    print(
+        f"{torch.cuda.get_device_name()}  commit {args.commit}  {len(samples)} samples, {sms} SMs, N={args.n}"
+    )
+    print(f"{'workload':>26} {'TFLOP/s':>8} {'MHz':>6} {'W':>6} {'FLOP/clk/SM':>12}  reasons")
+    for r in rows:
+        # the first 0.5 s of a workload is its ramp; the clock is read over the rest
+        inside = [s for s in samples if r["start"] + datetime.timedelta(seconds=0.5) <= s[0] <= r["end"]]
+        mhz = statistics.median(s[1] for s in inside) if inside else float("nan")
+        r.update(mhz=mhz, watts=statistics.mean(s[2] for s in inside) if inside else float("nan"),
+                 reasons=sorted({s[3] for s in inside}), samples=len(inside))  # fmt: skip
+        r["flop_per_clk_sm"] = r["tflops"] * 1e12 / (mhz * 1e6 * sms)
+        rate = f"{r['tflops']:8.0f} {mhz:6.0f} {r['watts']:6.0f} {r['flop_per_clk_sm']:12.0f}"
+        print(f"{r['name']:>26} {rate}  {','.join(r['reasons'])}")
+        r["start"], r["end"] = r["start"].isoformat(), r["end"].isoformat()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                dict(device=torch.cuda.get_device_name(), commit=args.commit, n=args.n, sms=sms, rows=rows),
+                f,
+                indent=1,
+            )
+
+
+if __name__ == "__main__":
+    main()
