@@ -18,9 +18,15 @@ BACKENDS = {
 CHOICES = ("auto", *BACKENDS)
 
 
+_MODULES: dict = {}
+
+
 def module(name: str):
-    """The backend package `name` (imported on first use)."""
-    return importlib.import_module(BACKENDS[name])
+    """The backend package `name` (imported on first use; a dict lookup after that)."""
+    found = _MODULES.get(name)
+    if found is None:
+        found = _MODULES[name] = importlib.import_module(BACKENDS[name])
+    return found
 
 
 def backward_of(backend):

@@ -51,6 +51,8 @@ def _forward(module, q1, k1, q2, k2, causal, scale1, scale2, cu_seqlens, max_seq
             max_seqlen=max_seqlen,
         )
     dtype = out_dtype(q1, q2)
+    if kl.dtype == lse1.dtype == lse2.dtype == dtype:  # the usual case: no dispatch for a no-op .to
+        return kl, lse1, lse2
     return kl.to(dtype), lse1.to(dtype), lse2.to(dtype)
 
 
