@@ -1,7 +1,8 @@
 """Work per clock: each workload runs alone for a few seconds while nvidia-smi samples the SM
 clock and the board power every 50 ms, so a rate can be compared at the clock it ran at (the
 chip lowers its clock when it draws more power). Workloads, B=1 H=32 bf16: the bf16 8192^3 GEMM,
-cuDNN's attention forward, the cuda forward and its no-exponential ablation, the triton forward.
+cuDNN's attention forward, cuda_fwd.py variants of the cuda forward (default: the shipped one and
+its no-exponential ablation), the triton forward.
 Prints TFLOP/s, the median SM clock, the mean power and FLOP per clock per SM; --json writes it.
 
     python benchmarks/clocks.py [--seconds 3] [--json out.json]
@@ -37,11 +38,11 @@ def query_fields() -> str:
     return FIELDS
 
 
-def workloads(n: int):
+def workloads(n: int, variants: list[str], dims: list[int]):
     """(name, TFLOP per call, call) for each workload."""
     a, b = (torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     out = [("gemm-bf16-8192", 2 * 8192**3, lambda: a @ b)]
-    for d in (128, 64):
+    for d in dims:
         inputs = make_inputs(b=1, h=32, nq=n, nk=n, d1=d, d2=d, dtype=torch.bfloat16, device="cuda", seed=d)
         flops = 4 * 32 * n * n * d
         q1, k1 = inputs[:2]
@@ -52,7 +53,7 @@ def workloads(n: int):
                 lambda q=q1, k=k1, d=d: sdpa_trick.attention(q, k, k, False, d**-0.5, "cudnn"),
             )
         )
-        for v in ("f-3wg64-overlap", "x-noexp"):
+        for v in variants:
             c = cuda_fwd.consts_for(v, d, d, torch.bfloat16)
             out.append((f"cuda-{v}-d{d}", flops, lambda x=inputs, c=c: cuda_fwd.run_cuda(x, False, c)))
         out.append((f"triton-d{d}", flops, lambda x=inputs: streamkl.attn_kl(*x, backend="triton")))
@@ -80,6 +81,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seconds", type=float, default=3.0)
     ap.add_argument("--n", type=int, default=16384, help="sequence length of the attention workloads")
+    ap.add_argument("--variants", default="f-3wg64-overlap,x-noexp", help="cuda_fwd.py variants")
+    ap.add_argument("--dims", default="128,64", help="head dims of the attention workloads")
     ap.add_argument("--json")
     ap.add_argument("--commit", default="?")
     args = ap.parse_args(argv)
@@ -87,7 +90,8 @@ def main(argv=None):
     query = ["nvidia-smi", f"--query-gpu={query_fields()}", "--format=csv,noheader,nounits", "-lms", "50"]
     smi = subprocess.Popen(query, stdout=log, text=True)
     rows = []
-    for name, flops, fn in workloads(args.n):
+    dims = [int(d) for d in args.dims.split(",")]
+    for name, flops, fn in workloads(args.n, args.variants.split(","), dims):
         rows.append(run(name, flops, fn, args.seconds))
         time.sleep(0.5)
     smi.terminate()

@@ -76,6 +76,22 @@ def test_tma_layout_rules():
     assert _launch.tma_reason(torch.empty(1, 1, 1, 3, dtype=torch.bfloat16), "q2") is None  # one row
 
 
+def test_tma_rules_answer_each_tensor_not_its_shape():
+    """The rules' cache (the op asks them every call) keys on alignment, strides and element size
+    as well as the shape, and names the tensor asked about."""
+    buf = torch.empty(4096, dtype=torch.bfloat16)
+    base = -buf.data_ptr() // 2 % 8  # elements to a 16-byte boundary
+    aligned = buf[base : base + 2048].view(1, 2, 16, 64)
+    shifted = buf[base + 1 : base + 2049].view(1, 2, 16, 64)  # the same shape and strides, off by 2 bytes
+    assert _launch.tma_reason(aligned, "q1") is None
+    assert _launch.tma_reason(shifted, "k2").startswith("k2 does not start on a 16-byte boundary")
+    assert _launch.tma_reason(shifted, "q1").startswith("q1 ")
+    # the same shape and strides in elements: 8-byte rows in bf16, 16-byte rows in float32
+    rows_of_4 = [torch.empty(1, 2, 16, 4, dtype=dtype) for dtype in (torch.bfloat16, torch.float32)]
+    assert "strides (128, 64, 4, 1)" in _launch.tma_reason(rows_of_4[0], "q2")
+    assert _launch.tma_reason(rows_of_4[1], "q2") is None
+
+
 def test_split_k_fills_the_sms_only_where_the_row_tiles_do_not():
     sms = 132
     for tile in (64, 128):
