@@ -1,6 +1,7 @@
-"""Work per clock: each workload runs alone for a few seconds while nvidia-smi samples the SM
-clock and the board power every 50 ms, so a rate can be compared at the clock it ran at (the
-chip lowers its clock when it draws more power). Workloads, B=1 H=32 bf16: the bf16 8192^3 GEMM,
+"""Work per clock: each workload runs alone, first for a 1 s ramp, then timed for a few seconds
+while nvidia-smi samples that GPU's SM clock and board power (instantaneous where it can) every
+50 ms, so a rate can be compared at the clock it ran at (the chip lowers its clock when it draws
+more power). Workloads, B=1 H=32 bf16: the bf16 8192^3 GEMM,
 cuDNN's attention forward, cuda_fwd.py variants of the cuda forward (default: the shipped one and
 its no-exponential ablation), the triton forward.
 Prints TFLOP/s, the median SM clock, the mean power and FLOP per clock per SM; --json writes it.
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import statistics
 import subprocess
@@ -24,18 +26,36 @@ import streamkl
 from benchmarks import cuda_fwd, sdpa_trick
 from streamkl.testing import make_inputs
 
-FIELDS = "timestamp,clocks.sm,power.draw,temperature.gpu"
+# power.draw.instant where nvidia-smi has it (power.draw is a 1 s average on recent GPUs)
+POWER = ("power.draw.instant", "power.draw")
 REASONS = ("clocks_event_reasons.active", "clocks_throttle_reasons.active")  # newer, older name
+RAMP_S = 1.0  # each workload runs this long untimed first, so no sample averages in the idle gap
 
 
-def query_fields() -> str:
-    for reasons in REASONS:
+def gpu_id() -> str:
+    """nvidia-smi's id of torch's current GPU (its UUID: indices differ under CUDA_VISIBLE_DEVICES)."""
+    uuid = getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "uuid", None)
+    return f"GPU-{uuid}" if uuid is not None else str(torch.cuda.current_device())
+
+
+def query(gpu: str) -> list[str]:
+    """The sampling command: timestamp, SM clock, power, temperature and, where known, the reasons."""
+    for power, reasons in itertools.product(POWER, (*REASONS, None)):
+        fields = ",".join(f for f in ("timestamp", "clocks.sm", power, "temperature.gpu", reasons) if f)
         probe = subprocess.run(
-            ["nvidia-smi", f"--query-gpu={FIELDS},{reasons}", "--format=csv"], capture_output=True
+            ["nvidia-smi", "-i", gpu, f"--query-gpu={fields}", "--format=csv"], capture_output=True
         )
         if probe.returncode == 0:
-            return f"{FIELDS},{reasons}"
-    return FIELDS
+            return [
+                "nvidia-smi",
+                "-i",
+                gpu,
+                f"--query-gpu={fields}",
+                "--format=csv,noheader,nounits",
+                "-lms",
+                "50",
+            ]
+    raise SystemExit(f"nvidia-smi cannot sample GPU {gpu}")
 
 
 def workloads(n: int, variants: list[str], dims: list[int]):
@@ -61,19 +81,26 @@ def workloads(n: int, variants: list[str], dims: list[int]):
 
 
 def run(name, flops, fn, seconds):
+    """The rate over `seconds` after RAMP_S of the same calls, and that window's wall-clock ends."""
     fn()
     torch.cuda.synchronize()
     t = time.perf_counter()
     fn()
     torch.cuda.synchronize()
     batch = max(1, int(0.05 / max(time.perf_counter() - t, 1e-6)))  # about 50 ms of calls per sync
-    start, calls, t0 = datetime.datetime.now(), 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        for _ in range(batch):
-            fn()
-        torch.cuda.synchronize()
-        calls += batch
-    wall = time.perf_counter() - t0
+
+    def calls_for(duration):
+        calls, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < duration:
+            for _ in range(batch):
+                fn()
+            torch.cuda.synchronize()
+            calls += batch
+        return calls, time.perf_counter() - t0
+
+    calls_for(RAMP_S)
+    start = datetime.datetime.now()
+    calls, wall = calls_for(seconds)
     return dict(name=name, start=start, end=datetime.datetime.now(), tflops=flops * calls / wall / 1e12)
 
 
@@ -87,8 +114,8 @@ def main(argv=None):
     ap.add_argument("--commit", default="?")
     args = ap.parse_args(argv)
     log = tempfile.TemporaryFile("w+")  # a file, not a pipe: nothing blocks the sampler
-    query = ["nvidia-smi", f"--query-gpu={query_fields()}", "--format=csv,noheader,nounits", "-lms", "50"]
-    smi = subprocess.Popen(query, stdout=log, text=True)
+    sampler = query(gpu_id())
+    smi = subprocess.Popen(sampler, stdout=log, text=True)
     rows = []
     dims = [int(d) for d in args.dims.split(",")]
     for name, flops, fn in workloads(args.n, args.variants.split(","), dims):
@@ -109,10 +136,10 @@ def main(argv=None):
     print(
         f"{torch.cuda.get_device_name()}  commit {args.commit}  {len(samples)} samples, {sms} SMs, N={args.n}"
     )
+    print(" ".join(sampler))
     print(f"{'workload':>26} {'TFLOP/s':>8} {'MHz':>6} {'W':>6} {'FLOP/clk/SM':>12}  reasons")
     for r in rows:
-        # the first 0.5 s of a workload is its ramp; the clock is read over the rest
-        inside = [s for s in samples if r["start"] + datetime.timedelta(seconds=0.5) <= s[0] <= r["end"]]
+        inside = [s for s in samples if r["start"] <= s[0] <= r["end"]]  # the timed window
         mhz = statistics.median(s[1] for s in inside) if inside else float("nan")
         r.update(mhz=mhz, watts=statistics.mean(s[2] for s in inside) if inside else float("nan"),
                  reasons=sorted({s[3] for s in inside}), samples=len(inside))  # fmt: skip
@@ -123,7 +150,14 @@ def main(argv=None):
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
-                dict(device=torch.cuda.get_device_name(), commit=args.commit, n=args.n, sms=sms, rows=rows),
+                dict(
+                    device=torch.cuda.get_device_name(),
+                    commit=args.commit,
+                    n=args.n,
+                    sms=sms,
+                    sampler=sampler,
+                    rows=rows,
+                ),
                 f,
                 indent=1,
             )
