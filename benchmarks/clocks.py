@@ -113,6 +113,8 @@ def main(argv=None):
     ap.add_argument("--json")
     ap.add_argument("--commit", default="?")
     args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        ap.error("needs a CUDA GPU and nvidia-smi")
     log = tempfile.TemporaryFile("w+")  # a file, not a pipe: nothing blocks the sampler
     sampler = query(gpu_id())
     smi = subprocess.Popen(sampler, stdout=log, text=True)
