@@ -34,6 +34,8 @@ def per_call(fn, n=2000):
 
 
 def main():
+    if not torch.cuda.is_available():
+        raise SystemExit("overhead_cuda_pieces.py: needs a CUDA GPU (sm_90) with cuda-python")
     x = make_inputs(b=1, h=1, nq=128, nk=128, d1=64, d2=64, dtype=torch.bfloat16, device="cuda")
     q1, k1, q2, k2 = x
     g = [t.detach().clone().requires_grad_(i >= 2) for i, t in enumerate(x)]
