@@ -134,7 +134,7 @@ def main(argv=None):
             samples.append((stamp, float(f[1]), float(f[2]), f[4] if len(f) > 4 else "?"))
         except (ValueError, IndexError):
             continue
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     print(
         f"{torch.cuda.get_device_name()}  commit {args.commit}  {len(samples)} samples, {sms} SMs, N={args.n}"
     )
