@@ -49,13 +49,6 @@ VARIANTS = {
     "x-noexp": dict(SHIPPED, ABLATE=1),
     "x-onegemm": dict(SHIPPED, ABLATE=2),
     "x-2stage": dict(SHIPPED, STAGES=2),
-    # a CTA's start: Q1 and Q2 on barriers of their own; the next wave's queries (and first key
-    # tiles) prefetched into L2, PREFETCH_LEAD key tiles before the end or at the start
-    "p-qsplit": dict(SHIPPED, QSPLIT=1),
-    "p-pf8": dict(SHIPPED, PREFETCH=1),
-    "p-pf0": dict(SHIPPED, PREFETCH=1, PREFETCH_LEAD=1 << 30),
-    "p-pfk8": dict(SHIPPED, PREFETCH=2),
-    "p-qsplit-pf8": dict(SHIPPED, QSPLIT=1, PREFETCH=1),
 }
 # The shipped build launched in another grid order or split count (the launch's schedule; the head
 # group applies under causal masking only).

@@ -48,7 +48,7 @@ def smem_bytes(c: dict) -> int:
     """Mirrors SMEM_BYTES in kl_fwd.cu (the kernel traps if it is given less)."""
     q = c["NWG"] * 64 * (c["D1P"] + c["D2P"]) * 2
     k = c["STAGES"] * c["BN"] * (c["D1P"] + c["D2P"]) * 2
-    return q + k + 8 * (2 + 2 * c["STAGES"]) + 1024
+    return q + k + 8 * (1 + 2 * c["STAGES"]) + 1024
 
 
 def threads(c: dict) -> int:

@@ -59,8 +59,7 @@
 //   all stored as 1024-byte-aligned slabs of 64 columns, 128-byte swizzled (the wgmma K-major
 //   SW128 layout). Keys past Nk and rows past Nq arrive as zeros; masked tiles (the ragged last
 //   key tile and the causal frontier) exclude their invalid keys explicitly.
-// Barriers: q_full (count 1, tx = Q bytes; QSPLIT: Q1's, and q2_full Q2's), full[s] (count 1,
-//   tx = K1 + K2 tile bytes),
+// Barriers: q_full (count 1, tx = Q bytes), full[s] (count 1, tx = K1 + K2 tile bytes),
 //   empty[s] (count NWG: one arrival per consumer warpgroup).
 // Reads q1, k1, q2, k2 through 4-D tensor maps {D, N, heads, B} built from the tensors' strides
 //   (query head h reads key head h / g); writes kl, lse1, lse2 ([B, H, Nq] float32) of its rows,
@@ -103,22 +102,7 @@
 #define QREGS 0
 #endif
 static_assert(QREGS == 0 || BN == 64, "QREGS: 64-key tiles");
-// QSPLIT: Q1 and Q2 complete on barriers of their own, loaded as Q1, the first key tile, Q2, so
-// a consumer's first S1 GEMM waits for Q1 and one key tile only.
-#ifndef QSPLIT
-#define QSPLIT 0
-#endif
-// PREFETCH: the producer prefetches into L2 the queries (1; 2: and the first key tiles) of the CTA
-// one wave after its own (linear id + the SM count), PREFETCH_LEAD key tiles before its last
-// load, so the next wave's CTAs start from L2 rather than all at once from HBM.
-#ifndef PREFETCH
-#define PREFETCH 0
-#endif
-#ifndef PREFETCH_LEAD
-#define PREFETCH_LEAD 8
-#endif
 static_assert(!OVERLAP || !PINGPONG, "OVERLAP replaces ping-pong");
-static_assert(!(QSPLIT || PREFETCH) || WS, "QSPLIT, PREFETCH: the producer's");
 // ABLATE (measurement only, for docs/cuda.md's ablations; the results are wrong): 1 runs no
 // exponential (e = t), 2 issues no S2 GEMM.
 #if ABLATE == 1
@@ -143,7 +127,7 @@ constexpr unsigned OFF_K1 = OFF_Q2 + NWG * Q2_WG;
 constexpr unsigned OFF_K2 = OFF_K1 + STAGES * K1_ST;
 constexpr unsigned OFF_BAR = OFF_K2 + STAGES * K2_ST;
 // 1024 bytes of slack: the dynamic shared memory base is aligned up to 1024 in the kernel.
-constexpr unsigned SMEM_BYTES = OFF_BAR + 8 * (2 + 2 * STAGES) + 1024;
+constexpr unsigned SMEM_BYTES = OFF_BAR + 8 * (1 + 2 * STAGES) + 1024;
 static_assert(SMEM_BYTES <= 232448, "exceeds the 227 KB of shared memory of an sm_90 CTA");
 // setmaxnreg moves registers inside the CTA's launch allocation (THREADS x the per-thread count
 // __launch_bounds__ allows, 65536 / THREADS rounded down to 8); an increase beyond it never returns.
@@ -179,21 +163,17 @@ struct Span {
   long long out0;
 };
 
-// Query rows [q0, q0 + BM) of head h, batch b: Q1 (which = 1), Q2 (2) or both (3), completing on bar.
-KL_DEV void load_q(const Params& p, unsigned base, unsigned bar, int q0, int h, int b, int which) {
-  mbar_expect_tx(bar, NWG * ((which & 1 ? Q1_WG : 0) + (which & 2 ? Q2_WG : 0)));
+// Query rows [q0, q0 + BM) of head h, batch b.
+KL_DEV void load_q(const Params& p, unsigned base, unsigned bar, int q0, int h, int b) {
+  mbar_expect_tx(bar, NWG * (Q1_WG + Q2_WG));
 #pragma unroll
   for (int c = 0; c < NWG; ++c) {
-    if (which & 1) {
 #pragma unroll
-      for (int s = 0; s < D1P / 64; ++s)
-        tma_load_4d(base + OFF_Q1 + c * Q1_WG + s * SLAB, &p.q1, 64 * s, q0 + 64 * c, h, b, bar);
-    }
-    if (which & 2) {
+    for (int s = 0; s < D1P / 64; ++s)
+      tma_load_4d(base + OFF_Q1 + c * Q1_WG + s * SLAB, &p.q1, 64 * s, q0 + 64 * c, h, b, bar);
 #pragma unroll
-      for (int s = 0; s < D2P / 64; ++s)
-        tma_load_4d(base + OFF_Q2 + c * Q2_WG + s * SLAB, &p.q2, 64 * s, q0 + 64 * c, h, b, bar);
-    }
+    for (int s = 0; s < D2P / 64; ++s)
+      tma_load_4d(base + OFF_Q2 + c * Q2_WG + s * SLAB, &p.q2, 64 * s, q0 + 64 * c, h, b, bar);
   }
 }
 
@@ -552,36 +532,12 @@ KL_DEV bool work_of(const Params& p, unsigned x, unsigned z, Work& w) {
   return true;
 }
 
-#if PREFETCH
-// Prefetches into L2 the queries (PREFETCH 2: and the first key tiles) of the CTA one wave after
-// this one (linear id + the SM count, one CTA per SM): a hint, nothing waits for it.
-KL_DEV void prefetch_next(const Params& p) {
-  unsigned sms;
-  asm("mov.u32 %0, %%nsmid;" : "=r"(sms));
-  const unsigned next = blockIdx.x + gridDim.x * blockIdx.z + sms;
-  Work w;
-  if (next / gridDim.x >= gridDim.z || !work_of(p, next % gridDim.x, next / gridDim.x, w)) return;
-  const int q0 = w.sp.row0 + w.m0;
-  for (int c = 0; c < NWG; ++c) {
-    for (int s = 0; s < D1P / 64; ++s) tma_prefetch_l2_4d(&p.q1, 64 * s, q0 + 64 * c, w.h, w.sp.bq);
-    for (int s = 0; s < D2P / 64; ++s) tma_prefetch_l2_4d(&p.q2, 64 * s, q0 + 64 * c, w.h, w.sp.bq);
-  }
-#if PREFETCH == 2
-  for (int i = 0; i < STAGES && i < w.n; ++i) {
-    const int k = w.sp.row0 + (w.t0 + i) * BN;
-    for (int s = 0; s < D1P / 64; ++s) tma_prefetch_l2_4d(&p.k1, 64 * s, k, w.h1, w.sp.bq);
-    for (int s = 0; s < D2P / 64; ++s) tma_prefetch_l2_4d(&p.k2, 64 * s, k, w.h2, w.sp.bq);
-  }
-#endif
-}
-#endif
-
 // Runs key tiles [t0, t0 + n) of its rows (all of them: n_tiles, split 0, without split-K); the
 // ring's stages from the first on.
 KL_DEV void consume(const Params& p, const Work& w, int c, int tid, unsigned base) {
   const Span& sp = w.sp;
   const int m0 = w.m0, t0 = w.t0, n = w.n;
-  const unsigned bar_q = base + OFF_BAR, full = bar_q + 16, empty = full + 8 * STAGES;
+  const unsigned bar_q = base + OFF_BAR, full = bar_q + 8, empty = full + 8 * STAGES;
   const int warp = tid / 32, lane = tid % 32;
   const int r0 = m0 + 64 * c;  // this warpgroup's first row
   const int diag = sp.nk - sp.nq;  // bottom-right causal: row i sees keys j <= i + diag
@@ -623,9 +579,6 @@ KL_DEV void consume(const Params& p, const Work& w, int c, int tid, unsigned bas
   load_qfrag<D1P>(qa1, base + OFF_Q1 + c * Q1_WG, warp, lane);
 #endif
 #if QREGS & 2
-#if QSPLIT
-  mbar_wait(bar_q + 8, 0);
-#endif
   unsigned qa2[D2P / 4];
   load_qfrag<D2P>(qa2, base + OFF_Q2 + c * Q2_WG, warp, lane);
 #endif
@@ -652,9 +605,6 @@ KL_DEV void consume(const Params& p, const Work& w, int c, int tid, unsigned bas
     if (i > 0) update2_tile(prev_masked, e1, x2, r, prev_rel, i == 1);
     __syncwarp();  // the per-thread fast / exact choice reconverges before wgmma (.aligned)
     wgmma_fence();
-#endif
-#if QSPLIT && !(QREGS & 2)
-    if (i == 0) mbar_wait(bar_q + 8, 0);
 #endif
 #if ABLATE != 2
 #if QREGS & 2
@@ -700,16 +650,13 @@ KL_DEV void consume(const Params& p, const Work& w, int c, int tid, unsigned bas
     update2_tile(prev_masked, e1, x2, r, prev_rel, n == 1);
   }
 #endif
-#if QSPLIT && !(QREGS & 2)
-  if (n == 0) mbar_wait(bar_q + 8, 0);  // no Q2 load is left in flight when the CTA exits
-#endif
   finish(p, r, rows, sp.nq, lane, sp.out0, w.split);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1) kl_fwd(const __grid_constant__ Params p) {
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const unsigned base = (smem_addr(smem_raw) + 1023u) & ~1023u;
-  const unsigned bar_q = base + OFF_BAR, bar_q2 = bar_q + 8, full = bar_q + 16, empty = full + 8 * STAGES;
+  const unsigned bar_q = base + OFF_BAR, full = bar_q + 8, empty = full + 8 * STAGES;
   Work w;
   if (!work_of(p, blockIdx.x, blockIdx.z, w)) return;
   const int tid = threadIdx.x;
@@ -718,7 +665,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kl_fwd(const __grid_con
   if (dyn_smem < SMEM_BYTES) __trap();  // the host's copy of SMEM_BYTES disagrees
   if (tid == 0) {
     mbar_init(bar_q, 1);
-    mbar_init(bar_q2, 1);
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(full + 8 * s, 1);
       mbar_init(empty + 8 * s, NWG);
@@ -734,21 +680,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kl_fwd(const __grid_con
   if (tid < 128) {
     regs_dec<REG_PROD>();
     if (tid == 0) {
-      const int q0 = w.sp.row0 + w.m0;
-      load_q(p, base, bar_q, q0, w.h, w.sp.bq, QSPLIT ? 1 : 3);
+      load_q(p, base, bar_q, w.sp.row0 + w.m0, w.h, w.sp.bq);
       for (int i = 0; i < w.n; ++i) {
         mbar_wait(empty + 8 * (i % STAGES), ((i / STAGES) & 1) ^ 1);
         load_k(p, base, full, w.sp.row0, w.t0 + i, i, w.h1, w.h2, w.sp.bq);
-#if QSPLIT
-        if (i == 0) load_q(p, base, bar_q2, q0, w.h, w.sp.bq, 2);
-#endif
-#if PREFETCH
-        if (i == max(0, w.n - PREFETCH_LEAD)) prefetch_next(p);
-#endif
       }
-#if QSPLIT
-      if (w.n == 0) load_q(p, base, bar_q2, q0, w.h, w.sp.bq, 2);
-#endif
     }
     return;
   }
@@ -758,7 +694,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kl_fwd(const __grid_con
   consume(p, w, __shfl_sync(0xffffffffu, tid / 128, 0) - 1, tid % 128, base);
 #else
   if (tid == 0) {
-    load_q(p, base, bar_q, w.sp.row0 + w.m0, w.h, w.sp.bq, 3);
+    load_q(p, base, bar_q, w.sp.row0 + w.m0, w.h, w.sp.bq);
     for (int i = 0; i < w.n && i < STAGES; ++i) load_k(p, base, full, w.sp.row0, w.t0 + i, i, w.h1, w.h2, w.sp.bq);
   }
   consume(p, w, tid / 128, tid % 128, base);

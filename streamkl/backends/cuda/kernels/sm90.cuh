@@ -65,13 +65,6 @@ KL_DEV void tma_load_4d(unsigned dst, const TensorMap* map, int c0, int c1, int 
       : "memory");
 }
 
-// Prefetches one box of a 4-D tensor map into L2 (no shared memory, no barrier).
-KL_DEV void tma_prefetch_l2_4d(const TensorMap* map, int c0, int c1, int c2, int c3) {
-  asm volatile("cp.async.bulk.prefetch.tensor.4d.L2.global.tile [%0, {%1, %2, %3, %4}];" ::"l"(map), "r"(c0),
-               "r"(c1), "r"(c2), "r"(c3)
-               : "memory");
-}
-
 // ---- registers and named barriers ----
 template <int N>
 KL_DEV void regs_dec() {
