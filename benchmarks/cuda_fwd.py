@@ -49,6 +49,11 @@ VARIANTS = {
     "x-noexp": dict(SHIPPED, ABLATE=1),
     "x-onegemm": dict(SHIPPED, ABLATE=2),
     "x-2stage": dict(SHIPPED, STAGES=2),
+    # each GEMM's second half of k-steps issued from inside the update under it; fewer stages
+    "s-issue-split": dict(SHIPPED, ISSUE_SPLIT=1),
+    "s-2stage": dict(SHIPPED, STAGES=2),
+    "s-3stage": dict(SHIPPED, STAGES=3),
+    "s-issue-split-2stage": dict(SHIPPED, ISSUE_SPLIT=1, STAGES=2),
 }
 # The shipped build launched in another grid order or split count (the launch's schedule; the head
 # group applies under causal masking only).
@@ -218,6 +223,7 @@ def main():
     ap.add_argument("--json")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--sizes", default="8192,16384")
+    ap.add_argument("--dims", help="head dims timed at every size (default: 128, and 64 at the first size)")
     ap.add_argument("--rounds", type=int, default=3, help="timing rounds per shape (the median is kept)")
     ap.add_argument("--skip-bench", action="store_true")
     ap.add_argument("--small", action="store_true", help="the small checks only (for compute-sanitizer)")
@@ -300,8 +306,9 @@ def main():
     out["timings"].append(dict(what="gemm-bf16-8192", tflops=gemm))
     rows = []
     sizes = [int(s) for s in args.sizes.split(",")]
-    for d in (128, 64):
-        for n in sizes if d == 128 else sizes[:1]:
+    dims = [int(d) for d in args.dims.split(",")] if args.dims else [128, 64]
+    for d in dims:
+        for n in sizes if d == 128 or args.dims else sizes[:1]:
             for causal in (False, True):
                 timed = good if d == 128 else [v for v in good if v in TIMED_AT_D64]
                 row = time_shape(d, n, causal, timed, args.rounds)

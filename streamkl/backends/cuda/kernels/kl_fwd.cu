@@ -89,6 +89,12 @@
 #ifndef PINGPONG
 #define PINGPONG 1
 #endif
+// ISSUE_SPLIT (a variant, with OVERLAP): each GEMM's k-steps are issued in two halves, the first
+// row of the update that runs under it between them, so a warp held by a full tensor queue has
+// less MUFU work waiting behind its wgmma.
+#ifndef ISSUE_SPLIT
+#define ISSUE_SPLIT 0
+#endif
 #ifndef ABLATE
 #define ABLATE 0
 #endif
@@ -102,6 +108,7 @@
 #define QREGS 0
 #endif
 static_assert(QREGS == 0 || BN == 64, "QREGS: 64-key tiles");
+static_assert(!ISSUE_SPLIT || OVERLAP, "ISSUE_SPLIT: the overlapping loop");
 static_assert(!OVERLAP || !PINGPONG, "OVERLAP replaces ping-pong");
 // ABLATE (measurement only, for docs/cuda.md's ablations; the results are wrong): 1 runs no
 // exponential (e = t), 2 issues no S2 GEMM.
@@ -193,10 +200,10 @@ KL_DEV void load_k(const Params& p, unsigned base, unsigned full, int k0, int t,
 // S (64 x BN) = Q (64 x DP, descriptor dq) . K^T (BN x DP, descriptor dk), as DP / 16 wgmma
 // k-steps. A k-step's descriptors are the tile's plus a constant (smem_desc_add), so issuing one
 // costs an add, not the descriptor's masks and shifts.
-template <int DP>
+template <int DP, int K0 = 0, int K1 = DP / 16>
 KL_DEV void gemm(float* s, unsigned long long dq, unsigned long long dk) {
 #pragma unroll
-  for (int kk = 0; kk < DP / 16; ++kk) {
+  for (int kk = K0; kk < K1; ++kk) {
     const unsigned long long da = smem_desc_add(dq, (kk / 4) * SLAB + (kk % 4) * 32);
     const unsigned long long db = smem_desc_add(dk, (kk / 4) * (BN * 128) + (kk % 4) * 32);
 #if BN == 128
@@ -223,11 +230,11 @@ KL_DEV void load_qfrag(unsigned* a, unsigned q, int warp, int lane) {
   }
 }
 
-// S (64 x 64) = Q (A fragments a) . K^T (descriptor dk).
-template <int DP>
+// S (64 x 64) = Q (A fragments a) . K^T (descriptor dk), k-steps [K0, K1).
+template <int DP, int K0 = 0, int K1 = DP / 16>
 KL_DEV void gemm_rs(float* s, const unsigned* a, unsigned long long dk) {
 #pragma unroll
-  for (int kk = 0; kk < DP / 16; ++kk) {
+  for (int kk = K0; kk < K1; ++kk) {
     const unsigned long long db = smem_desc_add(dk, (kk / 4) * (BN * 128) + (kk % 4) * 32);
     if (kk == 0)
       wgmma_m64n64k16_rs<false>(s, a + 4 * kk, db);
@@ -366,10 +373,13 @@ constexpr float LAG_SUM = 65536.f;
 
 // The S1 half of a tile's update: e1 = 2^(t1 - m1) into e1 (s1 keeps the raw scores for the
 // exact side), l1, aa, lt.
-template <bool MASK>
-KL_DEV void update1(const float* s1, float* e1, Row* r, float c1, const int* lim, bool first) {
+// mid() runs once, after the first row's fast side (ISSUE_SPLIT: the rest of a GEMM's issue).
+template <bool MASK, class Mid>
+KL_DEV void update1(const float* s1, float* e1, Row* r, float c1, const int* lim, bool first, Mid&& mid) {
   bool exact = true;
-  if (!first) {
+  if (first) {
+    mid();
+  } else {
     float sums[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};  // per row: l1 and aa, twice for ILP
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
@@ -383,6 +393,7 @@ KL_DEV void update1(const float* s1, float* e1, Row* r, float c1, const int* lim
         sums[4 * i + 2] = fmaf(ex, s1[x], sums[4 * i + 2]), sums[4 * i + 3] = fmaf(ey, s1[y], sums[4 * i + 3]);
         e1[x] = ex, e1[y] = ey;
       }
+      if (i == 0) mid();
     }
     fence_regs<8>(sums);  // computed before the decision, not sunk into its fast side
     exact = !(sums[0] + sums[1] <= LAG_SUM && sums[4] + sums[5] <= LAG_SUM);  // NaN, +inf: exact
@@ -414,10 +425,12 @@ KL_DEV void scores2(const float* s2, float* x2, const Row* r, float c2) {
 }
 
 // The S2 half of a tile's update from x2 and e1: l2, ab (sum e1 t2, relative to m1), m2.
-template <bool MASK>
-KL_DEV void update2(const float* e1, const float* x2, Row* r, const int* lim, bool first) {
+template <bool MASK, class Mid>
+KL_DEV void update2(const float* e1, const float* x2, Row* r, const int* lim, bool first, Mid&& mid) {
   bool exact = true;
-  if (!first) {
+  if (first) {
+    mid();
+  } else {
     float sums[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};  // per row: l2 and ab, twice for ILP
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
@@ -430,6 +443,7 @@ KL_DEV void update2(const float* e1, const float* x2, Row* r, const int* lim, bo
         sums[4 * i] += ex, sums[4 * i + 1] += ey;
         sums[4 * i + 2] = fmaf(e1[x], x2[x], sums[4 * i + 2]), sums[4 * i + 3] = fmaf(e1[y], x2[y], sums[4 * i + 3]);
       }
+      if (i == 0) mid();
     }
     fence_regs<8>(sums);
     // x2 is relative to 0 while m2 = -inf: a row's first visible keys take the exact side.
@@ -451,11 +465,13 @@ KL_DEV void update2(const float* e1, const float* x2, Row* r, const int* lim, bo
 }
 
 // update2 on a masked (ragged or causal-frontier) tile or an unmasked one.
-KL_DEV void update2_tile(bool masked, const float* e1, const float* x2, Row* r, const int* lim, bool first) {
+template <class Mid>
+KL_DEV void update2_tile(bool masked, const float* e1, const float* x2, Row* r, const int* lim, bool first,
+                         Mid&& mid) {
   if (masked)
-    update2<true>(e1, x2, r, lim, first);
+    update2<true>(e1, x2, r, lim, first, mid);
   else
-    update2<false>(e1, x2, r, lim, first);
+    update2<false>(e1, x2, r, lim, first, mid);
 }
 
 KL_DEV float quad_max(float x) {
@@ -594,25 +610,51 @@ KL_DEV void consume(const Params& p, const Work& w, int c, int tid, unsigned bas
 #if PINGPONG
     named_sync(1 + c, 256);
 #endif
-    wgmma_fence();
 #if QREGS & 1
-    gemm_rs<D1P>(s1, qa1, smem_desc_add(dk1, stage * K1_ST));
+#define KL_GEMM1(K0, K1) gemm_rs<D1P, K0, K1>(s1, qa1, smem_desc_add(dk1, stage * K1_ST))
 #else
-    gemm<D1P>(s1, dq1, smem_desc_add(dk1, stage * K1_ST));
+#define KL_GEMM1(K0, K1) gemm<D1P, K0, K1>(s1, dq1, smem_desc_add(dk1, stage * K1_ST))
 #endif
-    wgmma_commit();
+#if QREGS & 2
+#define KL_GEMM2(K0, K1) gemm_rs<D2P, K0, K1>(s2, qa2, smem_desc_add(dk2, stage * K2_ST))
+#else
+#define KL_GEMM2(K0, K1) gemm<D2P, K0, K1>(s2, dq2, smem_desc_add(dk2, stage * K2_ST))
+#endif
+    // ISSUE_SPLIT: a GEMM's second half of k-steps (rest1, rest2) is issued from inside the update
+    // that runs under the GEMM, after that update's first row; otherwise they issue nothing.
+    constexpr int SPLIT1 = ISSUE_SPLIT ? D1P / 32 : D1P / 16, SPLIT2 = ISSUE_SPLIT ? D2P / 32 : D2P / 16;
 #if OVERLAP
-    if (i > 0) update2_tile(prev_masked, e1, x2, r, prev_rel, i == 1);
+    auto rest1 = [&] {
+#if ISSUE_SPLIT
+      KL_GEMM1(SPLIT1, D1P / 16);
+      wgmma_commit();
+#endif
+    };
+#endif
+    auto rest2 = [&] {
+#if ISSUE_SPLIT && ABLATE != 2
+      KL_GEMM2(SPLIT2, D2P / 16);
+      wgmma_commit();
+#endif
+    };
+    wgmma_fence();
+    KL_GEMM1(0, SPLIT1);
+#if !ISSUE_SPLIT
+    wgmma_commit();
+#endif
+#if OVERLAP
+    if (i > 0)
+      update2_tile(prev_masked, e1, x2, r, prev_rel, i == 1, rest1);
+    else
+      rest1();
     __syncwarp();  // the per-thread fast / exact choice reconverges before wgmma (.aligned)
     wgmma_fence();
 #endif
 #if ABLATE != 2
-#if QREGS & 2
-    gemm_rs<D2P>(s2, qa2, smem_desc_add(dk2, stage * K2_ST));
-#else
-    gemm<D2P>(s2, dq2, smem_desc_add(dk2, stage * K2_ST));
+    KL_GEMM2(0, SPLIT2);
 #endif
-#endif
+#undef KL_GEMM1
+#undef KL_GEMM2
     wgmma_commit();
 #if PINGPONG
     if (!(c == NWG - 1 && i == n - 1)) named_arrive(1 + (c + 1) % NWG, 256);
@@ -620,12 +662,12 @@ KL_DEV void consume(const Params& p, const Work& w, int c, int tid, unsigned bas
     const bool masked = t >= n_full;
     const int cb = t * BN + 2 * (lane & 3);  // this thread's first column in the tile
     const int rel[2] = {lim[0] - cb, lim[1] - cb};
-    wgmma_wait<1>();  // S1 is done
+    wgmma_wait<1>();  // S1 is done (ISSUE_SPLIT: S2's first half may still run)
     fence_regs<NR>(s1);
     if (masked)
-      update1<true>(s1, e1, r, p.c1, rel, i == 0);
+      update1<true>(s1, e1, r, p.c1, rel, i == 0, rest2);
     else
-      update1<false>(s1, e1, r, p.c1, rel, i == 0);
+      update1<false>(s1, e1, r, p.c1, rel, i == 0, rest2);
     __syncwarp();  // the per-thread fast / exact choice reconverges before wgmma.wait (.aligned)
     wgmma_wait<0>();
     fence_regs<NR>(s2);
@@ -641,13 +683,13 @@ KL_DEV void consume(const Params& p, const Work& w, int c, int tid, unsigned bas
 #if OVERLAP
     prev_masked = masked, prev_rel[0] = rel[0], prev_rel[1] = rel[1];
 #else
-    update2_tile(masked, e1, x2, r, rel, i == 0);
+    update2_tile(masked, e1, x2, r, rel, i == 0, [] {});
     __syncwarp();  // and before the next tile's bar.sync and wgmma
 #endif
   }
 #if OVERLAP
   if (n > 0) {
-    update2_tile(prev_masked, e1, x2, r, prev_rel, n == 1);
+    update2_tile(prev_masked, e1, x2, r, prev_rel, n == 1, [] {});
   }
 #endif
   finish(p, r, rows, sp.nq, lane, sp.out0, w.split);
