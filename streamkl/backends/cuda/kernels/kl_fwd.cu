@@ -89,9 +89,9 @@
 #ifndef PINGPONG
 #define PINGPONG 1
 #endif
-// ISSUE_SPLIT (a variant, with OVERLAP): each GEMM's k-steps are issued in two halves, the first
-// row of the update that runs under it between them, so a warp held by a full tensor queue has
-// less MUFU work waiting behind its wgmma.
+// ISSUE_SPLIT (with OVERLAP; shipped where both head dims are 64): each GEMM's k-steps are issued
+// in two halves, the first row of the update that runs under it between them, so a warp held by a
+// full tensor queue has less MUFU work waiting behind its wgmma.
 #ifndef ISSUE_SPLIT
 #define ISSUE_SPLIT 0
 #endif
