@@ -53,6 +53,10 @@ VARIANTS = {
     # from inside the update under it (shipped at 64 / 64)
     "s-issue-whole": dict(SHIPPED, ISSUE_SPLIT=0),
     "s-issue-split": dict(SHIPPED, ISSUE_SPLIT=1),
+    # one CTA per SM walking the slots: Q from shared memory where a head dim is 128 and Q1 alone
+    # in registers at 64 (what fits without a spill beside the slot loop), or the shipped Qs
+    "p-persist": dict(SHIPPED, PERSIST=1, QREGS="persist"),
+    "p-persist-qshipped": dict(SHIPPED, PERSIST=1),
 }
 # The shipped build launched in another grid order or split count (the launch's schedule; the head
 # group applies under causal masking only).
@@ -92,6 +96,8 @@ def consts_for(variant, d1, d2, dtype):
     c.update(D1P=_launch.padded_dim(d1), D2P=_launch.padded_dim(d2), KL_FP16=int(dtype == torch.float16))
     if c.get("QREGS") == "shipped":
         c["QREGS"] = _launch.q_in_registers(c["D1P"], c["D2P"])
+    if c.get("QREGS") == "persist":
+        c["QREGS"] = int(c["D1P"] == 64)
     if c.get("ISSUE_SPLIT") == "shipped":
         c["ISSUE_SPLIT"] = _launch.issue_split(c["D1P"], c["D2P"])
     while _launch.smem_bytes(c) > _launch.SMEM_LIMIT:
@@ -225,6 +231,7 @@ def main():
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--sizes", default="8192,16384")
     ap.add_argument("--dims", help="head dims timed at every size (default: 128, and 64 at the first size)")
+    ap.add_argument("--causal", choices=["0", "1", "both"], default="both", help="the masks timed")
     ap.add_argument("--rounds", type=int, default=3, help="timing rounds per shape (the median is kept)")
     ap.add_argument("--skip-bench", action="store_true")
     ap.add_argument("--small", action="store_true", help="the small checks only (for compute-sanitizer)")
@@ -310,7 +317,7 @@ def main():
     dims = [int(d) for d in args.dims.split(",")] if args.dims else [128, 64]
     for d in dims:
         for n in sizes if d == 128 or args.dims else sizes[:1]:
-            for causal in (False, True):
+            for causal in {"0": [False], "1": [True], "both": [False, True]}[args.causal]:
                 timed = good if d == 128 else [v for v in good if v in TIMED_AT_D64]
                 row = time_shape(d, n, causal, timed, args.rounds)
                 rows.append(row)
