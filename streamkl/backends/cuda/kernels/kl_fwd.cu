@@ -827,9 +827,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kl_fwd(const __grid_con
   int it = 0;
   unsigned k = 0;
   for (unsigned u = blockIdx.x; u < (unsigned)p.slots; u += gridDim.x) {
+    // Through a shuffle the slot, its ring position and count are warp-uniform to ptxas, which
+    // otherwise serializes every wgmma (C7519: a divergent path).
+    const unsigned su = __shfl_sync(0xffffffffu, u, 0);
     Work w;
-    if (!work_of(p, u % xs, u / xs, w)) continue;
-    consume(p, w, c, tid % 128, base, it, k);
+    if (!work_of(p, su % xs, su / xs, w)) continue;
+    consume(p, w, c, tid % 128, base, __shfl_sync(0xffffffffu, it, 0), __shfl_sync(0xffffffffu, k, 0));
     it += w.n, ++k;
   }
 #elif WS
