@@ -37,11 +37,11 @@ def instrumented_source() -> str:
         '  if (tid == 0) { STAMP(0); unsigned sm_; asm("mov.u32 %0, %%smid;" : "=r"(sm_));'
         " STAMP_AS(7, sm_ | ((unsigned long long)w.n << 32)); }\n"
     )
-    producer_end = "    return;\n  }\n  regs_inc<REG_CONS>();\n  // Read through"
+    producer_end = "    return;\n  }\n  regs_inc<REG_CONS>();"
     edits = [
         ('#include "sm90.cuh"', '#include "sm90.cuh"\n' + macros),
         ("  p.lse2[o] = lse2;\n", "  (void)lse2;\n"),
-        ("  mbar_wait(bar_q, k & 1);\n", "  mbar_wait(bar_q, k & 1);\n  if (tid == 0 && c == 0) STAMP(1);\n"),
+        ("  mbar_wait(bar_q, 0);\n", "  mbar_wait(bar_q, 0);\n  if (tid == 0 && c == 0) STAMP(1);\n"),
         ("    mbar_wait(full + 8 * stage, phase);\n",
          "    mbar_wait(full + 8 * stage, phase);\n    if (i == 0 && tid == 0 && c == 0) STAMP(2);\n"),
         ("  finish(p, r, rows, sp.nq, lane, sp.out0, w.split);\n",

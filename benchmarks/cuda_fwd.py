@@ -53,10 +53,6 @@ VARIANTS = {
     # from inside the update under it (shipped at 64 / 64)
     "s-issue-whole": dict(SHIPPED, ISSUE_SPLIT=0),
     "s-issue-split": dict(SHIPPED, ISSUE_SPLIT=1),
-    # one CTA per SM walking the slots: Q from shared memory where a head dim is 128 and Q1 alone
-    # in registers at 64 (what fits without a spill beside the slot loop), or the shipped Qs
-    "p-persist": dict(SHIPPED, PERSIST=1, QREGS="persist"),
-    "p-persist-qshipped": dict(SHIPPED, PERSIST=1),
 }
 # The shipped build launched in another grid order or split count (the launch's schedule; the head
 # group applies under causal masking only).
@@ -96,8 +92,6 @@ def consts_for(variant, d1, d2, dtype):
     c.update(D1P=_launch.padded_dim(d1), D2P=_launch.padded_dim(d2), KL_FP16=int(dtype == torch.float16))
     if c.get("QREGS") == "shipped":
         c["QREGS"] = _launch.q_in_registers(c["D1P"], c["D2P"])
-    if c.get("QREGS") == "persist":
-        c["QREGS"] = int(c["D1P"] == 64)
     if c.get("ISSUE_SPLIT") == "shipped":
         c["ISSUE_SPLIT"] = _launch.issue_split(c["D1P"], c["D2P"])
     while _launch.smem_bytes(c) > _launch.SMEM_LIMIT:

@@ -24,8 +24,8 @@ SMEM_LIMIT = 232448  # dynamic shared memory one sm_90 CTA may opt into (227 KB)
 TMA_BOX = 64  # 16-bit columns per TMA box: one 128-byte swizzle span
 MAX_D = 128  # head dims are padded (by TMA's zero fill) to 64 or 128
 PARAMS_BYTES = 640  # sizeof(Params) in kl_fwd.cu: four 128-byte maps, then the scalars
-# kl, lse1, lse2, part, cu, h, nq, nk, g1, g2, m_tiles, causal, splits, rows, hgroup, c1, c2, slots
-_SCALARS = struct.Struct("<5Q10i2fi")
+# kl, lse1, lse2, part, cu, h, nq, nk, g1, g2, m_tiles, causal, splits, rows, hgroup, c1, c2
+_SCALARS = struct.Struct("<5Q10i2f")
 _PAD = bytes(PARAMS_BYTES - 4 * 128 - _SCALARS.size)
 SOURCE_FILE = "kl_fwd.cu"
 ENTRY = "kl_fwd"
@@ -48,7 +48,7 @@ def smem_bytes(c: dict) -> int:
     """Mirrors SMEM_BYTES in kl_fwd.cu (the kernel traps if it is given less)."""
     q = c["NWG"] * 64 * (c["D1P"] + c["D2P"]) * 2
     k = c["STAGES"] * c["BN"] * (c["D1P"] + c["D2P"]) * 2
-    return q + k + 8 * ((4 if c.get("PERSIST") else 1) + 2 * c["STAGES"]) + 1024
+    return q + k + 8 * (1 + 2 * c["STAGES"]) + 1024
 
 
 def threads(c: dict) -> int:
@@ -328,7 +328,6 @@ def forward(
             hgroup,
             float(scale1) * LOG2E,
             float(scale2) * LOG2E,
-            m_tiles * H * seqs * splits,
         )
         + _PAD
     )
@@ -339,8 +338,6 @@ def forward(
     # torch's current stream as a raw handle (torch.cuda.current_stream builds an object: ~6 us)
     stream = driver.CUstream(torch._C._cuda_getCurrentRawStream(index))
     grid = (m_tiles * H, 1, seqs * splits)
-    if consts.get("PERSIST"):  # one CTA per SM walks the slots
-        grid = (min(m_tiles * H * seqs * splits, _sm_count(index)), 1, 1)
     (err,) = driver.cuLaunchKernel(
         k.handle, *grid, k.threads, 1, 1, k.smem, stream, ctypes.addressof(argv), 0
     )

@@ -98,12 +98,6 @@
 #ifndef ABLATE
 #define ABLATE 0
 #endif
-// PERSIST (measurement): one CTA per SM walks the grid's slots in turn (slot u = the CTA's index
-// + k CTAs), with Q1 and Q2 on full and empty barriers of their own, so the next slot's queries
-// and first key tiles load under the last slot's tail instead of in a CTA launch of its own.
-#ifndef PERSIST
-#define PERSIST 0
-#endif
 #ifndef OVERLAP
 #define OVERLAP 0
 #endif
@@ -116,7 +110,6 @@
 static_assert(QREGS == 0 || BN == 64, "QREGS: 64-key tiles");
 static_assert(!ISSUE_SPLIT || OVERLAP, "ISSUE_SPLIT: the overlapping loop");
 static_assert(!OVERLAP || !PINGPONG, "OVERLAP replaces ping-pong");
-static_assert(!PERSIST || (WS && !PINGPONG), "PERSIST: a producer, no ping-pong");
 // ABLATE (measurement only, for docs/cuda.md's ablations; the results are wrong): 1 runs no
 // exponential (e = t), 2 issues no S2 GEMM.
 #if ABLATE == 1
@@ -141,9 +134,7 @@ constexpr unsigned OFF_K1 = OFF_Q2 + NWG * Q2_WG;
 constexpr unsigned OFF_K2 = OFF_K1 + STAGES * K1_ST;
 constexpr unsigned OFF_BAR = OFF_K2 + STAGES * K2_ST;
 // 1024 bytes of slack: the dynamic shared memory base is aligned up to 1024 in the kernel.
-// Q barriers: q_full; PERSIST: q1_full, q2_full, q1_empty, q2_empty.
-constexpr unsigned Q_BARS = PERSIST ? 4 : 1;
-constexpr unsigned SMEM_BYTES = OFF_BAR + 8 * (Q_BARS + 2 * STAGES) + 1024;
+constexpr unsigned SMEM_BYTES = OFF_BAR + 8 * (1 + 2 * STAGES) + 1024;
 static_assert(SMEM_BYTES <= 232448, "exceeds the 227 KB of shared memory of an sm_90 CTA");
 // setmaxnreg moves registers inside the CTA's launch allocation (THREADS x the per-thread count
 // __launch_bounds__ allows, 65536 / THREADS rounded down to 8); an increase beyond it never returns.
@@ -164,7 +155,6 @@ struct Params {
   int h, nq, nk, g1, g2, m_tiles, causal, splits, rows;  // rows = B * H * Nq (the tensors')
   int hgroup;  // heads per group of the grid's order (the header)
   float c1, c2;  // scale * log2(e)
-  int slots;  // the grid's slots (row tile, head, batch, split); PERSIST's CTAs walk them
 };
 
 static_assert(sizeof(Params) == 640, "PARAMS_BYTES in _launch.py packs this layout");
@@ -191,20 +181,6 @@ KL_DEV void load_q(const Params& p, unsigned base, unsigned bar, int q0, int h, 
 #pragma unroll
     for (int s = 0; s < D2P / 64; ++s)
       tma_load_4d(base + OFF_Q2 + c * Q2_WG + s * SLAB, &p.q2, 64 * s, q0 + 64 * c, h, b, bar);
-  }
-}
-
-// PERSIST: query rows [q0, q0 + BM) of Q1 (SIDE 1) or Q2 (SIDE 2), completing on bar.
-template <int SIDE>
-KL_DEV void load_q_side(const Params& p, unsigned base, unsigned bar, int q0, int h, int b) {
-  constexpr int DP = SIDE == 1 ? D1P : D2P;
-  constexpr unsigned WG = SIDE == 1 ? Q1_WG : Q2_WG, OFF = SIDE == 1 ? OFF_Q1 : OFF_Q2;
-  mbar_expect_tx(bar, NWG * WG);
-#pragma unroll
-  for (int c = 0; c < NWG; ++c) {
-#pragma unroll
-    for (int s = 0; s < DP / 64; ++s)
-      tma_load_4d(base + OFF + c * WG + s * SLAB, SIDE == 1 ? &p.q1 : &p.q2, 64 * s, q0 + 64 * c, h, b, bar);
   }
 }
 
@@ -572,29 +548,12 @@ KL_DEV bool work_of(const Params& p, unsigned x, unsigned z, Work& w) {
   return true;
 }
 
-#if PERSIST
-// Consumer warpgroup c is done reading the Qs whose empty barriers it names (0: none): its four
-// warps meet first (named barrier 1 + c), then one thread arrives.
-KL_DEV void release_q(int c, int tid, unsigned q1_empty, unsigned q2_empty) {
-  named_sync(1 + c, 128);
-  if (tid == 0) {
-    if (q1_empty) mbar_arrive(q1_empty);
-    if (q2_empty) mbar_arrive(q2_empty);
-  }
-}
-#endif
-
-// Runs key tiles [t0, t0 + n) of its rows (all of them: n_tiles, split 0, without split-K): the
-// CTA's k-th slot, its key tiles in the ring from the CTA's it0-th load on (PERSIST; else 0, 0).
-// PERSIST: its Qs arrive in phase k & 1; a Q held in registers is released once read, one read
-// from shared memory after the slot's last GEMM.
-KL_DEV void consume(const Params& p, const Work& w, int c, int tid, unsigned base, int it0, unsigned k) {
+// Runs key tiles [t0, t0 + n) of its rows (all of them: n_tiles, split 0, without split-K); the
+// ring's stages from the first on.
+KL_DEV void consume(const Params& p, const Work& w, int c, int tid, unsigned base) {
   const Span& sp = w.sp;
   const int m0 = w.m0, t0 = w.t0, n = w.n;
-  const unsigned bar_q = base + OFF_BAR, full = bar_q + 8 * Q_BARS, empty = full + 8 * STAGES;
-#if PERSIST
-  const unsigned bar_q2 = bar_q + 8, q1_empty = bar_q + 16, q2_empty = bar_q + 24;
-#endif
+  const unsigned bar_q = base + OFF_BAR, full = bar_q + 8, empty = full + 8 * STAGES;
   const int warp = tid / 32, lane = tid % 32;
   const int r0 = m0 + 64 * c;  // this warpgroup's first row
   const int diag = sp.nk - sp.nq;  // bottom-right causal: row i sees keys j <= i + diag
@@ -614,25 +573,20 @@ KL_DEV void consume(const Params& p, const Work& w, int c, int tid, unsigned bas
   float e1[NR], x2[NR];  // e1 = 2^(t1 - m1); x2 = t2 - ref(m2) (scores2)
   const unsigned long long dq1 = smem_desc(base + OFF_Q1 + c * Q1_WG), dq2 = smem_desc(base + OFF_Q2 + c * Q2_WG);
   const unsigned long long dk1 = smem_desc(base + OFF_K1), dk2 = smem_desc(base + OFF_K2);
-  mbar_wait(bar_q, k & 1);
+  mbar_wait(bar_q, 0);
 #if PINGPONG
   if (c == NWG - 1 && n > 0) named_arrive(1, 256);  // the first turn is warpgroup 0's
 #endif
   if (r0 >= sp.nq) {  // every row past Nq (decode): only the barrier duties, no GEMM, no update
-#if PERSIST
-    mbar_wait(bar_q2, k & 1);  // so it cannot release a later slot's Qs early
-    release_q(c, tid, q1_empty, q2_empty);
-#endif
     for (int i = 0; i < n; ++i) {
       // The one thread that releases a stage waits for it: a warp that waited for nothing it
       // reads could fall a whole phase of the ring behind the releases and never see its parity.
-      const int it = it0 + i;
-      if (tid == 0) mbar_wait(full + 8 * (it % STAGES), (it / STAGES) & 1);
+      if (tid == 0) mbar_wait(full + 8 * (i % STAGES), (i / STAGES) & 1);
 #if PINGPONG
       named_sync(1 + c, 256);
       if (!(c == NWG - 1 && i == n - 1)) named_arrive(1 + (c + 1) % NWG, 256);
 #endif
-      if (tid == 0) mbar_arrive(empty + 8 * (it % STAGES));
+      if (tid == 0) mbar_arrive(empty + 8 * (i % STAGES));
     }
     return;  // (never warpgroup 0, which refills the ring when WS = 0: m0 < Nq)
   }
@@ -640,15 +594,9 @@ KL_DEV void consume(const Params& p, const Work& w, int c, int tid, unsigned bas
   unsigned qa1[D1P / 4];
   load_qfrag<D1P>(qa1, base + OFF_Q1 + c * Q1_WG, warp, lane);
 #endif
-#if PERSIST
-  mbar_wait(bar_q2, k & 1);
-#endif
 #if QREGS & 2
   unsigned qa2[D2P / 4];
   load_qfrag<D2P>(qa2, base + OFF_Q2 + c * Q2_WG, warp, lane);
-#endif
-#if PERSIST && QREGS
-  release_q(c, tid, QREGS & 1 ? q1_empty : 0, QREGS & 2 ? q2_empty : 0);
 #endif
 #if OVERLAP
   // Tile i - 1's S2 update runs under tile i's S1 GEMM: prev_* are its mask and limits.
@@ -656,8 +604,8 @@ KL_DEV void consume(const Params& p, const Work& w, int c, int tid, unsigned bas
   int prev_rel[2] = {0, 0};
 #endif
   for (int i = 0; i < n; ++i) {
-    const int t = t0 + i, stage = (it0 + i) % STAGES;
-    const unsigned phase = ((it0 + i) / STAGES) & 1;
+    const int t = t0 + i, stage = i % STAGES;
+    const unsigned phase = (i / STAGES) & 1;
     mbar_wait(full + 8 * stage, phase);
 #if PINGPONG
     named_sync(1 + c, 256);
@@ -739,9 +687,6 @@ KL_DEV void consume(const Params& p, const Work& w, int c, int tid, unsigned bas
     __syncwarp();  // and before the next tile's bar.sync and wgmma
 #endif
   }
-#if PERSIST && QREGS != 3
-  release_q(c, tid, QREGS & 1 ? 0 : q1_empty, QREGS & 2 ? 0 : q2_empty);  // every GEMM has read them
-#endif
 #if OVERLAP
   if (n > 0) {
     update2_tile(prev_masked, e1, x2, r, prev_rel, n == 1, [] {});
@@ -753,25 +698,15 @@ KL_DEV void consume(const Params& p, const Work& w, int c, int tid, unsigned bas
 extern "C" __global__ void __launch_bounds__(THREADS, 1) kl_fwd(const __grid_constant__ Params p) {
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const unsigned base = (smem_addr(smem_raw) + 1023u) & ~1023u;
-  const unsigned bar_q = base + OFF_BAR, full = bar_q + 8 * Q_BARS, empty = full + 8 * STAGES;
-#if PERSIST
-  // Slot u = x + m_tiles H z of the grid's order; CTA i runs slots i, i + CTAs, ...
-  const unsigned xs = p.m_tiles * p.h;
-#else
+  const unsigned bar_q = base + OFF_BAR, full = bar_q + 8, empty = full + 8 * STAGES;
   Work w;
   if (!work_of(p, blockIdx.x, blockIdx.z, w)) return;
-#endif
   const int tid = threadIdx.x;
   unsigned dyn_smem;
   asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_smem));
   if (dyn_smem < SMEM_BYTES) __trap();  // the host's copy of SMEM_BYTES disagrees
   if (tid == 0) {
     mbar_init(bar_q, 1);
-#if PERSIST
-    mbar_init(bar_q + 8, 1);
-    mbar_init(bar_q + 16, NWG);
-    mbar_init(bar_q + 24, NWG);
-#endif
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(full + 8 * s, 1);
       mbar_init(empty + 8 * s, NWG);
@@ -783,59 +718,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kl_fwd(const __grid_con
     tma_prefetch(&p.k2);
   }
   __syncthreads();
-#if PERSIST
-  if (tid < 128) {
-    regs_dec<REG_PROD>();
-    if (tid == 0) {
-      // A Q held in registers is free once read, so the next slot's loads with it first; one read
-      // from shared memory after the slot's first key tile (it waits for the last slot's GEMMs).
-      const unsigned bar_q2 = bar_q + 8, q1_empty = bar_q + 16, q2_empty = bar_q + 24;
-      int it = 0;
-      unsigned k = 0;
-      for (unsigned u = blockIdx.x; u < (unsigned)p.slots; u += gridDim.x) {
-        Work w;
-        if (!work_of(p, u % xs, u / xs, w)) continue;
-        const int q0 = w.sp.row0 + w.m0;
-        auto q1 = [&] {
-          if (k > 0) mbar_wait(q1_empty, (k - 1) & 1);
-          load_q_side<1>(p, base, bar_q, q0, w.h, w.sp.bq);
-        };
-        auto q2 = [&] {
-          if (k > 0) mbar_wait(q2_empty, (k - 1) & 1);
-          load_q_side<2>(p, base, bar_q2, q0, w.h, w.sp.bq);
-        };
-        if (QREGS & 1) q1();
-        if (QREGS & 2) q2();
-        for (int i = 0; i < max(w.n, 1); ++i) {
-          if (i < w.n) {
-            mbar_wait(empty + 8 * (it % STAGES), ((it / STAGES) & 1) ^ 1);
-            load_k(p, base, full, w.sp.row0, w.t0 + i, it, w.h1, w.h2, w.sp.bq);
-            ++it;
-          }
-          if (i == 0) {
-            if (!(QREGS & 1)) q1();
-            if (!(QREGS & 2)) q2();
-          }
-        }
-        ++k;
-      }
-    }
-    return;
-  }
-  regs_inc<REG_CONS>();
-  const int c = __shfl_sync(0xffffffffu, tid / 128, 0) - 1;
-  int it = 0;
-  unsigned k = 0;
-  for (unsigned u = blockIdx.x; u < (unsigned)p.slots; u += gridDim.x) {
-    // Through a shuffle the slot, its ring position and count are warp-uniform to ptxas, which
-    // otherwise serializes every wgmma (C7519: a divergent path).
-    const unsigned su = __shfl_sync(0xffffffffu, u, 0);
-    Work w;
-    if (!work_of(p, su % xs, su / xs, w)) continue;
-    consume(p, w, c, tid % 128, base, __shfl_sync(0xffffffffu, it, 0), __shfl_sync(0xffffffffu, k, 0));
-    it += w.n, ++k;
-  }
-#elif WS
+#if WS
   if (tid < 128) {
     regs_dec<REG_PROD>();
     if (tid == 0) {
@@ -850,13 +733,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kl_fwd(const __grid_con
   regs_inc<REG_CONS>();
   // Read through a shuffle, the warpgroup index is warp-uniform to the compiler, so the
   // descriptors built from it stay in uniform registers.
-  consume(p, w, __shfl_sync(0xffffffffu, tid / 128, 0) - 1, tid % 128, base, 0, 0);
+  consume(p, w, __shfl_sync(0xffffffffu, tid / 128, 0) - 1, tid % 128, base);
 #else
   if (tid == 0) {
     load_q(p, base, bar_q, w.sp.row0 + w.m0, w.h, w.sp.bq);
     for (int i = 0; i < w.n && i < STAGES; ++i) load_k(p, base, full, w.sp.row0, w.t0 + i, i, w.h1, w.h2, w.sp.bq);
   }
-  consume(p, w, tid / 128, tid % 128, base, 0, 0);
+  consume(p, w, tid / 128, tid % 128, base);
 #endif
 }
 
