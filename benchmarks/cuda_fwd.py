@@ -53,6 +53,8 @@ VARIANTS = {
     # from inside the update under it (shipped at 64 / 64)
     "s-issue-whole": dict(SHIPPED, ISSUE_SPLIT=0),
     "s-issue-split": dict(SHIPPED, ISSUE_SPLIT=1),
+    # at most 64 query rows without DECODE: one consumer runs every key tile's math
+    "d-nodecode": dict(SHIPPED, DECODE=0),
 }
 # The shipped build launched in another grid order or split count (the launch's schedule; the head
 # group applies under causal masking only).
@@ -185,6 +187,29 @@ def time_shape(d, n, causal, variants, rounds):
     return row
 
 
+def time_decode(d, nq, nk, variants, rounds):
+    """GB/s of the keys read (both key tensors once) by the triton forward and each variant at
+    B=1, H=32, non-causal: the median of `rounds` interleaved rounds."""
+    inputs = make_inputs(b=1, h=32, nq=nq, nk=nk, d1=d, d2=d, dtype=torch.bfloat16, device="cuda", seed=2)
+    key_bytes = 2 * 32 * nk * d * 2
+    ref_kl = streamkl.attn_kl(*inputs, backend="triton")
+    row = dict(d=d, nq=nq, nk=nk)
+    calls = {"triton": lambda: streamkl.attn_kl(*inputs, backend="triton")}
+    for v in variants:
+        c = consts_for(v, d, d, torch.bfloat16)
+        kl, _, _ = run_cuda(inputs, False, c)
+        row[v + "-vs-triton-relerr"] = rel_err(kl, ref_kl)
+        calls[v] = lambda c=c: run_cuda(inputs, False, c)
+    times = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, fn in calls.items():
+            times[name].append(bench_ms(fn))
+    for name, ms in times.items():
+        row[name + "-ms"] = statistics.median(ms)
+        row[name] = key_bytes / statistics.median(ms) / 1e6
+    return row
+
+
 def diagnose(variants):
     """Large grids against the float64 oracle with NaN-poisoned outputs: one wave with long key
     loops, many waves with short ones, the benchmark shape (heads compared on slices). Reads the
@@ -225,6 +250,7 @@ def main():
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--sizes", default="8192,16384")
     ap.add_argument("--dims", help="head dims timed at every size (default: 128, and 64 at the first size)")
+    ap.add_argument("--decode", help="time only these NQxNK shapes (non-causal), e.g. 1x32768,64x131072")
     ap.add_argument("--causal", choices=["0", "1", "both"], default="both", help="the masks timed")
     ap.add_argument("--rounds", type=int, default=3, help="timing rounds per shape (the median is kept)")
     ap.add_argument("--skip-bench", action="store_true")
@@ -309,6 +335,19 @@ def main():
         out["timings"].append(dict(what=f"host-us-per-call-{name}", us=host))
         print(f"host cost per small call, {name}: {host:.1f} us", flush=True)
 
+    if args.decode:
+        cols = ["triton", *good]
+        head = f"{'D':>4} {'Nq':>4} {'Nk':>7} " + " ".join(f"{c:>16}" for c in cols)
+        print(head + "   (GB/s of keys read)")
+        for shape in args.decode.split(","):
+            nq, nk = (int(x) for x in shape.split("x"))
+            for d in [int(x) for x in args.dims.split(",")] if args.dims else [128]:
+                row = time_decode(d, nq, nk, good, args.rounds)
+                out["timings"].append(row)
+                print(f"{d:>4} {nq:>4} {nk:>7} " + " ".join(f"{row[c]:>16.0f}" for c in cols), flush=True)
+        if args.json:
+            json.dump(out, open(args.json, "w"), indent=1)
+        return
     gemm = time_gemm()
     out["timings"].append(dict(what="gemm-bf16-8192", tflops=gemm))
     rows = []
