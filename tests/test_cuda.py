@@ -40,8 +40,7 @@ sm90 = pytest.mark.skipif(not _on_sm90(), reason="needs an sm_90 GPU")
 
 
 def _build_id(c):
-    decode = "-decode" if c.get("DECODE") else ""
-    return f"{'fp16' if c['KL_FP16'] else 'bf16'}-d{c['D1P']}x{c['D2P']}-s{c['STAGES']}{decode}"
+    return f"{'fp16' if c['KL_FP16'] else 'bf16'}-d{c['D1P']}x{c['D2P']}-s{c['STAGES']}"
 
 
 @pytest.mark.parametrize("consts", _launch.shipped_instantiations(), ids=_build_id)

@@ -38,9 +38,6 @@ MAX_SPLITS = 64
 # hgroup), so the short ones fill the last wave; without it CTAs are alike and one head's row
 # tiles after another's share its keys in L2.
 CAUSAL_HEAD_GROUP = 8
-# Dense inputs of at most this many query rows (one consumer's tile) run the DECODE instantiation:
-# every consumer on those rows, each taking every third key tile.
-DECODE_MAX_ROWS = 64
 
 
 def padded_dim(d: int) -> int:
@@ -73,15 +70,12 @@ def issue_split(d1p: int, d2p: int) -> int:
     return int(d1p == d2p == 64)
 
 
-def shipped(d1p: int, d2p: int, fp16: bool, decode: bool = False) -> dict:
+def shipped(d1p: int, d2p: int, fp16: bool) -> dict:
     """The constants of the instantiation that runs for padded head dims (d1p, d2p): a producer
     warpgroup and three consumer warpgroups of 64 rows, each overlapping its own GEMMs and
     updates, over 64-key tiles (docs/cuda.md), the queries of q_in_registers as wgmma's register
-    operand, issue_split's GEMM issue, as many ring stages as shared memory holds, up to 4;
-    decode: the consumers share 64 rows and split the key tiles (DECODE)."""
+    operand, issue_split's GEMM issue, as many ring stages as shared memory holds, up to 4."""
     c = dict(KL_FP16=int(fp16), D1P=d1p, D2P=d2p, NWG=3, BN=64, STAGES=1, WS=1, PINGPONG=0, OVERLAP=1)
-    if decode:
-        c["DECODE"] = 1
     c["QREGS"] = q_in_registers(d1p, d2p)
     c["ISSUE_SPLIT"] = issue_split(d1p, d2p)
     while c["STAGES"] < 4 and smem_bytes(dict(c, STAGES=c["STAGES"] + 1)) <= SMEM_LIMIT:
@@ -91,8 +85,7 @@ def shipped(d1p: int, d2p: int, fp16: bool, decode: bool = False) -> dict:
 
 def shipped_instantiations() -> list[dict]:
     """Every instantiation a supported input can select (CI compiles each of them)."""
-    dims = [(a, b) for a in (64, 128) for b in (64, 128)]
-    return [shipped(a, b, f, dec) for dec in (False, True) for f in (False, True) for a, b in dims]
+    return [shipped(a, b, f) for f in (False, True) for a in (64, 128) for b in (64, 128)]
 
 
 def source() -> str:
@@ -136,9 +129,9 @@ def kernel(consts: dict, device_index: int) -> Kernel:
 
 
 @functools.cache
-def _shipped_kernel(d1p: int, d2p: int, fp16: bool, decode: bool, device_index: int) -> Kernel:
+def _shipped_kernel(d1p: int, d2p: int, fp16: bool, device_index: int) -> Kernel:
     """kernel() of the shipped instantiation, looked up without building its constants."""
-    return kernel(shipped(d1p, d2p, fp16, decode), device_index)
+    return kernel(shipped(d1p, d2p, fp16), device_index)
 
 
 def _check(result, what):
@@ -291,15 +284,11 @@ def forward(
     if NK == 0:  # every row sees nothing
         return kl.zero_(), lse1.fill_(float("-inf")), lse2.fill_(float("-inf"))
     index = dev.index if dev.index is not None else torch.cuda.current_device()
-    decode = cu_seqlens is None and NQ <= DECODE_MAX_ROWS
     if consts is None:
-        k = _shipped_kernel(padded_dim(D1), padded_dim(D2), q1.dtype == torch.float16, decode, index)
+        k = _shipped_kernel(padded_dim(D1), padded_dim(D2), q1.dtype == torch.float16, index)
         consts = k.consts
-    else:  # an explicit DECODE stands; without one, the shipped choice
-        decode = bool(consts.get("DECODE", decode))
-        if decode and (cu_seqlens is not None or NQ > DECODE_MAX_ROWS):
-            raise ValueError(f"DECODE runs dense inputs of at most {DECODE_MAX_ROWS} query rows, got {NQ}")
-        k = kernel(dict(consts, DECODE=1) if decode else consts, index)
+    else:
+        k = kernel(consts, index)
     # Packed sequences: the grid's batch runs the sequences, its row tiles the longest one.
     if cu_seqlens is not None:
         cu_seqlens = cu_seqlens.contiguous()  # read by every CTA; it outlives the launch in stream order
@@ -315,8 +304,7 @@ def forward(
     hgroup = min(H, CAUSAL_HEAD_GROUP) if causal else 1
     if schedule is not None:
         splits, hgroup = schedule.get("splits", splits), min(H, schedule.get("hgroup", hgroup))
-    parts = splits * consts["NWG"] if decode else splits  # partial states per row (DECODE: per consumer)
-    part = torch.empty(parts * rows * PART, device=dev, dtype=torch.float32) if parts > 1 else None
+    part = torch.empty(splits * rows * PART, device=dev, dtype=torch.float32) if splits > 1 else None
     block = (
         tensor_map(q1, 64)
         + tensor_map(k1, bn)
@@ -335,8 +323,8 @@ def forward(
             H // k2.shape[1],
             m_tiles,
             int(bool(causal)),
-            parts,
-            rows if parts > 1 else 0,
+            splits,
+            rows if splits > 1 else 0,
             hgroup,
             float(scale1) * LOG2E,
             float(scale2) * LOG2E,
@@ -355,7 +343,7 @@ def forward(
     )
     if int(err) != 0:
         raise RuntimeError(f"cuLaunchKernel of {ENTRY} {consts} failed: {err!r}")
-    if parts > 1:  # part stays alive until the combine ran: the allocator reuses it in stream order
+    if splits > 1:  # part stays alive until the combine ran: the allocator reuses it in stream order
         (err,) = driver.cuLaunchKernel(
             k.combine, -(-rows // 128), 1, 1, 128, 1, 1, 0, stream, ctypes.addressof(argv), 0
         )
