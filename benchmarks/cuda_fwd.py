@@ -161,13 +161,14 @@ def time_gemm():
     return 2 * 8192**3 / bench_ms(lambda: a @ b) / 1e9
 
 
-def time_shape(d, n, causal, variants, rounds):
-    """TFLOP/s of the triton forward (through the op) and of each variant at B=1, H=32: the median
-    of `rounds` rounds that each time every one in turn, so a drift of the clock falls on all."""
-    inputs = make_inputs(b=1, h=32, nq=n, nk=n, d1=d, d2=d, dtype=torch.bfloat16, device="cuda", seed=1)
-    flops = 4 * 32 * n * n * d / (2 if causal else 1)
+def time_shape(d, nq, nk, causal, variants, rounds, work):
+    """work / ms / 1e9 of the triton forward (through the op) and of each variant at B=1, H=32
+    (TFLOP/s where work is FLOPs, GB/s where it is bytes x 1000), with each one's median ms and
+    spread: the median of `rounds` rounds that each time every one in turn, so a drift of the
+    clock falls on all."""
+    inputs = make_inputs(b=1, h=32, nq=nq, nk=nk, d1=d, d2=d, dtype=torch.bfloat16, device="cuda", seed=1)
     ref_kl = streamkl.attn_kl(*inputs, causal=causal, backend="triton")
-    row = dict(d=d, n=n, causal=causal)
+    row = dict(d=d, n=nq, nk=nk, causal=causal)
     calls = {"triton": lambda: streamkl.attn_kl(*inputs, causal=causal, backend="triton")}
     for v in variants:
         c, sched = consts_for(v, d, d, torch.bfloat16), SCHEDULES.get(v)
@@ -180,31 +181,9 @@ def time_shape(d, n, causal, variants, rounds):
         for name, fn in calls.items():
             times[name].append(bench_ms(fn))
     for name, ms in times.items():
-        row[name] = flops / statistics.median(ms) / 1e9
-        row[name + "-spread"] = (max(ms) - min(ms)) / statistics.median(ms)
-    return row
-
-
-def time_decode(d, nq, nk, variants, rounds):
-    """GB/s of the keys read (both key tensors once) by the triton forward and each variant at
-    B=1, H=32, non-causal: the median of `rounds` interleaved rounds."""
-    inputs = make_inputs(b=1, h=32, nq=nq, nk=nk, d1=d, d2=d, dtype=torch.bfloat16, device="cuda", seed=2)
-    key_bytes = 2 * 32 * nk * d * 2
-    ref_kl = streamkl.attn_kl(*inputs, backend="triton")
-    row = dict(d=d, nq=nq, nk=nk)
-    calls = {"triton": lambda: streamkl.attn_kl(*inputs, backend="triton")}
-    for v in variants:
-        c = consts_for(v, d, d, torch.bfloat16)
-        kl, _, _ = run_cuda(inputs, False, c)
-        row[v + "-vs-triton-relerr"] = rel_err(kl, ref_kl)
-        calls[v] = lambda c=c: run_cuda(inputs, False, c)
-    times = {name: [] for name in calls}
-    for _ in range(rounds):
-        for name, fn in calls.items():
-            times[name].append(bench_ms(fn))
-    for name, ms in times.items():
+        row[name] = work / statistics.median(ms) / 1e9
         row[name + "-ms"] = statistics.median(ms)
-        row[name] = key_bytes / statistics.median(ms) / 1e6
+        row[name + "-spread"] = (max(ms) - min(ms)) / statistics.median(ms)
     return row
 
 
@@ -340,7 +319,8 @@ def main():
         for shape in args.decode.split(","):
             nq, nk = (int(x) for x in shape.split("x"))
             for d in [int(x) for x in args.dims.split(",")] if args.dims else [128]:
-                row = time_decode(d, nq, nk, good, args.rounds)
+                key_bytes = 2 * 32 * nk * d * 2  # both key tensors, read once
+                row = time_shape(d, nq, nk, False, good, args.rounds, key_bytes * 1e3)
                 out["timings"].append(row)
                 print(f"{d:>4} {nq:>4} {nk:>7} " + " ".join(f"{row[c]:>16.0f}" for c in cols), flush=True)
         if args.json:
@@ -355,7 +335,8 @@ def main():
         for n in sizes if d == 128 or args.dims else sizes[:1]:
             for causal in {"0": [False], "1": [True], "both": [False, True]}[args.causal]:
                 timed = good if d == 128 else [v for v in good if v in TIMED_AT_D64]
-                row = time_shape(d, n, causal, timed, args.rounds)
+                flops = 4 * 32 * n * n * d / (2 if causal else 1)
+                row = time_shape(d, n, n, causal, timed, args.rounds, flops)
                 rows.append(row)
                 out["timings"].append(row)
                 print(row, flush=True)
