@@ -53,6 +53,8 @@ VARIANTS = {
     # from inside the update under it (shipped at 64 / 64)
     "s-issue-whole": dict(SHIPPED, ISSUE_SPLIT=0),
     "s-issue-split": dict(SHIPPED, ISSUE_SPLIT=1),
+    # at most 64 query rows without DECODE: one consumer runs every key tile's math
+    "d-nodecode": dict(SHIPPED, DECODE=0),
 }
 # The shipped build launched in another grid order or split count (the launch's schedule; the head
 # group applies under causal masking only).

@@ -42,7 +42,7 @@ def main():
 
     from cuda.bindings import driver
 
-    _launch._shipped_kernel(64, 64, False, 0)  # built and loaded before any timing
+    _launch._shipped_kernel(64, 64, False, False, 0)  # built and loaded before any timing
     stream_ptr = torch.cuda.current_stream().cuda_stream
     rows = {
         "torch.empty (1,1,128) f32": lambda: torch.empty((1, 1, 128), device="cuda", dtype=torch.float32),

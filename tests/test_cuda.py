@@ -40,7 +40,8 @@ sm90 = pytest.mark.skipif(not _on_sm90(), reason="needs an sm_90 GPU")
 
 
 def _build_id(c):
-    return f"{'fp16' if c['KL_FP16'] else 'bf16'}-d{c['D1P']}x{c['D2P']}-s{c['STAGES']}"
+    decode = "-decode" if c.get("DECODE") else ""
+    return f"{'fp16' if c['KL_FP16'] else 'bf16'}-d{c['D1P']}x{c['D2P']}-s{c['STAGES']}{decode}"
 
 
 @pytest.mark.parametrize("consts", _launch.shipped_instantiations(), ids=_build_id)

@@ -38,6 +38,9 @@ MAX_SPLITS = 64
 # hgroup), so the short ones fill the last wave; without it CTAs are alike and one head's row
 # tiles after another's share its keys in L2.
 CAUSAL_HEAD_GROUP = 8
+# Dense inputs of at most this many query rows (one consumer's tile) run the DECODE instantiation:
+# every consumer on those rows, each taking every third key tile.
+DECODE_MAX_ROWS = 64
 
 
 def padded_dim(d: int) -> int:
@@ -46,7 +49,7 @@ def padded_dim(d: int) -> int:
 
 def smem_bytes(c: dict) -> int:
     """Mirrors SMEM_BYTES in kl_fwd.cu (the kernel traps if it is given less)."""
-    q = c["NWG"] * 64 * (c["D1P"] + c["D2P"]) * 2
+    q = (1 if c.get("DECODE") else c["NWG"]) * 64 * (c["D1P"] + c["D2P"]) * 2
     k = c["STAGES"] * c["BN"] * (c["D1P"] + c["D2P"]) * 2
     return q + k + 8 * (1 + 2 * c["STAGES"]) + 1024
 
@@ -70,22 +73,35 @@ def issue_split(d1p: int, d2p: int) -> int:
     return int(d1p == d2p == 64)
 
 
-def shipped(d1p: int, d2p: int, fp16: bool) -> dict:
+def shipped(d1p: int, d2p: int, fp16: bool, decode: bool = False) -> dict:
     """The constants of the instantiation that runs for padded head dims (d1p, d2p): a producer
     warpgroup and three consumer warpgroups of 64 rows, each overlapping its own GEMMs and
     updates, over 64-key tiles (docs/cuda.md), the queries of q_in_registers as wgmma's register
-    operand, issue_split's GEMM issue, as many ring stages as shared memory holds, up to 4."""
+    operand, issue_split's GEMM issue, as many ring stages as shared memory holds, up to 4;
+    decode: the consumers share one Q tile and split the key tiles (DECODE), over a ring of
+    2 NWG stages (a multiple of NWG: each stage has one reader) where they fit, else NWG."""
     c = dict(KL_FP16=int(fp16), D1P=d1p, D2P=d2p, NWG=3, BN=64, STAGES=1, WS=1, PINGPONG=0, OVERLAP=1)
     c["QREGS"] = q_in_registers(d1p, d2p)
     c["ISSUE_SPLIT"] = issue_split(d1p, d2p)
+    if decode:
+        return decode_build(c)
     while c["STAGES"] < 4 and smem_bytes(dict(c, STAGES=c["STAGES"] + 1)) <= SMEM_LIMIT:
         c["STAGES"] += 1
     return c
 
 
+def decode_build(c: dict) -> dict:
+    """c as DECODE: one Q tile, a ring of 2 NWG stages where they fit, else NWG (a multiple of
+    NWG, so each stage has one reader)."""
+    c = dict(c, DECODE=1)
+    c["STAGES"] = (2 if smem_bytes(dict(c, STAGES=2 * c["NWG"])) <= SMEM_LIMIT else 1) * c["NWG"]
+    return c
+
+
 def shipped_instantiations() -> list[dict]:
     """Every instantiation a supported input can select (CI compiles each of them)."""
-    return [shipped(a, b, f) for f in (False, True) for a in (64, 128) for b in (64, 128)]
+    dims = [(a, b) for a in (64, 128) for b in (64, 128)]
+    return [shipped(a, b, f, dec) for dec in (False, True) for f in (False, True) for a, b in dims]
 
 
 def source() -> str:
@@ -129,9 +145,9 @@ def kernel(consts: dict, device_index: int) -> Kernel:
 
 
 @functools.cache
-def _shipped_kernel(d1p: int, d2p: int, fp16: bool, device_index: int) -> Kernel:
+def _shipped_kernel(d1p: int, d2p: int, fp16: bool, decode: bool, device_index: int) -> Kernel:
     """kernel() of the shipped instantiation, looked up without building its constants."""
-    return kernel(shipped(d1p, d2p, fp16), device_index)
+    return kernel(shipped(d1p, d2p, fp16, decode), device_index)
 
 
 def _check(result, what):
@@ -284,11 +300,15 @@ def forward(
     if NK == 0:  # every row sees nothing
         return kl.zero_(), lse1.fill_(float("-inf")), lse2.fill_(float("-inf"))
     index = dev.index if dev.index is not None else torch.cuda.current_device()
+    decode = cu_seqlens is None and NQ <= DECODE_MAX_ROWS
     if consts is None:
-        k = _shipped_kernel(padded_dim(D1), padded_dim(D2), q1.dtype == torch.float16, index)
+        k = _shipped_kernel(padded_dim(D1), padded_dim(D2), q1.dtype == torch.float16, decode, index)
         consts = k.consts
-    else:
-        k = kernel(consts, index)
+    else:  # an explicit DECODE stands; without one, the shipped choice
+        decode = bool(consts.get("DECODE", decode))
+        if decode and (cu_seqlens is not None or NQ > DECODE_MAX_ROWS):
+            raise ValueError(f"DECODE runs dense inputs of at most {DECODE_MAX_ROWS} query rows, got {NQ}")
+        k = kernel(decode_build(consts) if decode and "DECODE" not in consts else consts, index)
     # Packed sequences: the grid's batch runs the sequences, its row tiles the longest one.
     if cu_seqlens is not None:
         cu_seqlens = cu_seqlens.contiguous()  # read by every CTA; it outlives the launch in stream order
@@ -304,7 +324,8 @@ def forward(
     hgroup = min(H, CAUSAL_HEAD_GROUP) if causal else 1
     if schedule is not None:
         splits, hgroup = schedule.get("splits", splits), min(H, schedule.get("hgroup", hgroup))
-    part = torch.empty(splits * rows * PART, device=dev, dtype=torch.float32) if splits > 1 else None
+    parts = splits * consts["NWG"] if decode else splits  # partial states per row (DECODE: per consumer)
+    part = torch.empty(parts * rows * PART, device=dev, dtype=torch.float32) if parts > 1 else None
     block = (
         tensor_map(q1, 64)
         + tensor_map(k1, bn)
@@ -323,8 +344,8 @@ def forward(
             H // k2.shape[1],
             m_tiles,
             int(bool(causal)),
-            splits,
-            rows if splits > 1 else 0,
+            parts,
+            rows if parts > 1 else 0,
             hgroup,
             float(scale1) * LOG2E,
             float(scale2) * LOG2E,
@@ -343,7 +364,7 @@ def forward(
     )
     if int(err) != 0:
         raise RuntimeError(f"cuLaunchKernel of {ENTRY} {consts} failed: {err!r}")
-    if splits > 1:  # part stays alive until the combine ran: the allocator reuses it in stream order
+    if parts > 1:  # part stays alive until the combine ran: the allocator reuses it in stream order
         (err,) = driver.cuLaunchKernel(
             k.combine, -(-rows // 128), 1, 1, 128, 1, 1, 0, stream, ctypes.addressof(argv), 0
         )

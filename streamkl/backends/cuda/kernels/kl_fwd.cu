@@ -60,7 +60,8 @@
 //   SW128 layout). Keys past Nk and rows past Nq arrive as zeros; masked tiles (the ragged last
 //   key tile and the causal frontier) exclude their invalid keys explicitly.
 // Barriers: q_full (count 1, tx = Q bytes), full[s] (count 1, tx = K1 + K2 tile bytes),
-//   empty[s] (count NWG: one arrival per consumer warpgroup).
+//   empty[s] (count NWG: one arrival per consumer warpgroup; DECODE: its one reader arrives NWG
+//   times at once).
 // Reads q1, k1, q2, k2 through 4-D tensor maps {D, N, heads, B} built from the tensors' strides
 //   (query head h reads key head h / g); writes kl, lse1, lse2 ([B, H, Nq] float32) of its rows,
 //   kl = 0 and lse = -inf on rows that see no key (splits > 1: part, [splits, B * H * Nq, 6]).
@@ -98,6 +99,17 @@
 #ifndef ABLATE
 #define ABLATE 0
 #endif
+// DECODE (the launch's choice for dense inputs of at most 64 query rows, one row tile): every
+// consumer takes the tile's first 64 rows and every NWG-th key tile of the CTA's share (consumer
+// c: tiles c, c + NWG, ...), releasing each stage alone, and writes its rows' state as part
+// split * NWG + c for kl_combine (p.splits counts the parts). Otherwise one consumer would run
+// every key tile's math while the ring waits on it. STAGES is a multiple of NWG, so stage s is
+// only ever read by consumer s % NWG: a parity wait cannot tell phase k from phase k - 2, and a
+// consumer that had not itself waited out the stage's previous load could pass on the phase
+// before it (the previous load still in flight) and read a tile that is not there yet.
+#ifndef DECODE
+#define DECODE 0
+#endif
 #ifndef OVERLAP
 #define OVERLAP 0
 #endif
@@ -110,6 +122,8 @@
 static_assert(QREGS == 0 || BN == 64, "QREGS: 64-key tiles");
 static_assert(!ISSUE_SPLIT || OVERLAP, "ISSUE_SPLIT: the overlapping loop");
 static_assert(!OVERLAP || !PINGPONG, "OVERLAP replaces ping-pong");
+static_assert(!DECODE || (WS && !PINGPONG), "DECODE: a producer, no ping-pong");
+static_assert(!DECODE || STAGES % NWG == 0, "DECODE: each stage read by one consumer");
 // ABLATE (measurement only, for docs/cuda.md's ablations; the results are wrong): 1 runs no
 // exponential (e = t), 2 issues no S2 GEMM.
 #if ABLATE == 1
@@ -129,8 +143,9 @@ constexpr unsigned SLAB = 64 * 128;  // one 64-row, 64-column (128-byte) slab
 constexpr unsigned Q1_WG = 64 * D1P * 2, Q2_WG = 64 * D2P * 2;
 constexpr unsigned K1_ST = BN * D1P * 2, K2_ST = BN * D2P * 2;
 constexpr unsigned OFF_Q1 = 0;
-constexpr unsigned OFF_Q2 = OFF_Q1 + NWG * Q1_WG;
-constexpr unsigned OFF_K1 = OFF_Q2 + NWG * Q2_WG;
+constexpr int Q_TILES = DECODE ? 1 : NWG;  // 64-row Q tiles the CTA loads
+constexpr unsigned OFF_Q2 = OFF_Q1 + Q_TILES * Q1_WG;
+constexpr unsigned OFF_K1 = OFF_Q2 + Q_TILES * Q2_WG;
 constexpr unsigned OFF_K2 = OFF_K1 + STAGES * K1_ST;
 constexpr unsigned OFF_BAR = OFF_K2 + STAGES * K2_ST;
 // 1024 bytes of slack: the dynamic shared memory base is aligned up to 1024 in the kernel.
@@ -170,11 +185,11 @@ struct Span {
   long long out0;
 };
 
-// Query rows [q0, q0 + BM) of head h, batch b.
+// Query rows [q0, q0 + BM) of head h, batch b (DECODE: [q0, q0 + 64), which every consumer reads).
 KL_DEV void load_q(const Params& p, unsigned base, unsigned bar, int q0, int h, int b) {
-  mbar_expect_tx(bar, NWG * (Q1_WG + Q2_WG));
+  mbar_expect_tx(bar, Q_TILES * (Q1_WG + Q2_WG));
 #pragma unroll
-  for (int c = 0; c < NWG; ++c) {
+  for (int c = 0; c < Q_TILES; ++c) {
 #pragma unroll
     for (int s = 0; s < D1P / 64; ++s)
       tma_load_4d(base + OFF_Q1 + c * Q1_WG + s * SLAB, &p.q1, 64 * s, q0 + 64 * c, h, b, bar);
@@ -531,7 +546,8 @@ KL_DEV bool work_of(const Params& p, unsigned x, unsigned z, Work& w) {
   const int group = x / (p.hgroup * p.m_tiles), g0 = group * p.hgroup;
   const int in_group = min(p.hgroup, p.h - g0), r = x - g0 * p.m_tiles;
   const int mt = p.m_tiles - 1 - r / in_group, h = g0 + r % in_group;
-  const int b = z / p.splits, split = z % p.splits;
+  const int splits = DECODE ? p.splits / NWG : p.splits;  // the CTAs' splits of the key tiles
+  const int b = z / splits, split = z % splits;
   const int m0 = mt * BM;
   Span sp{p.nq, p.nk, 0, b, ((long long)b * p.h + h) * p.nq};
   if (p.cu != nullptr) {
@@ -542,7 +558,7 @@ KL_DEV bool work_of(const Params& p, unsigned x, unsigned z, Work& w) {
   const int hi = p.causal ? min(sp.nk, m0 + BM + sp.nk - sp.nq) : sp.nk;  // keys this slot sees
   const int n_tiles = hi > 0 ? (hi + BN - 1) / BN : 0;
   // Split-K: split s runs key tiles [t0, t0 + n) of the row tile's n_tiles.
-  const int per = (n_tiles + p.splits - 1) / p.splits;
+  const int per = (n_tiles + splits - 1) / splits;
   const int t0 = min(n_tiles, split * per), n = min(n_tiles, t0 + per) - t0;
   w = Work{sp, m0, h, h / p.g1, h / p.g2, split, t0, n};
   return true;
@@ -555,7 +571,8 @@ KL_DEV void consume(const Params& p, const Work& w, int c, int tid, unsigned bas
   const int m0 = w.m0, t0 = w.t0, n = w.n;
   const unsigned bar_q = base + OFF_BAR, full = bar_q + 8, empty = full + 8 * STAGES;
   const int warp = tid / 32, lane = tid % 32;
-  const int r0 = m0 + 64 * c;  // this warpgroup's first row
+  const int qc = DECODE ? 0 : c;  // the Q tile this warpgroup reads
+  const int r0 = m0 + 64 * qc;  // this warpgroup's first row
   const int diag = sp.nk - sp.nq;  // bottom-right causal: row i sees keys j <= i + diag
   int rows[2], lim[2];
 #pragma unroll
@@ -571,7 +588,7 @@ KL_DEV void consume(const Params& p, const Work& w, int c, int tid, unsigned bas
   for (int i = 0; i < 2; ++i) r[i] = Row{-KL_INF, 0.f, -KL_INF, 0.f, 0.f, 0.f, 0.f};
   float s1[NR], s2[NR];  // wgmma accumulators: the raw scores of the current tile
   float e1[NR], x2[NR];  // e1 = 2^(t1 - m1); x2 = t2 - ref(m2) (scores2)
-  const unsigned long long dq1 = smem_desc(base + OFF_Q1 + c * Q1_WG), dq2 = smem_desc(base + OFF_Q2 + c * Q2_WG);
+  const unsigned long long dq1 = smem_desc(base + OFF_Q1 + qc * Q1_WG), dq2 = smem_desc(base + OFF_Q2 + qc * Q2_WG);
   const unsigned long long dk1 = smem_desc(base + OFF_K1), dk2 = smem_desc(base + OFF_K2);
   mbar_wait(bar_q, 0);
 #if PINGPONG
@@ -592,18 +609,22 @@ KL_DEV void consume(const Params& p, const Work& w, int c, int tid, unsigned bas
   }
 #if QREGS & 1
   unsigned qa1[D1P / 4];
-  load_qfrag<D1P>(qa1, base + OFF_Q1 + c * Q1_WG, warp, lane);
+  load_qfrag<D1P>(qa1, base + OFF_Q1 + qc * Q1_WG, warp, lane);
 #endif
 #if QREGS & 2
   unsigned qa2[D2P / 4];
-  load_qfrag<D2P>(qa2, base + OFF_Q2 + c * Q2_WG, warp, lane);
+  load_qfrag<D2P>(qa2, base + OFF_Q2 + qc * Q2_WG, warp, lane);
 #endif
 #if OVERLAP
   // Tile i - 1's S2 update runs under tile i's S1 GEMM: prev_* are its mask and limits.
   bool prev_masked = false;
   int prev_rel[2] = {0, 0};
 #endif
-  for (int i = 0; i < n; ++i) {
+  // This warpgroup's key tiles: i = first + STEP j of [0, n), `own` of them.
+  constexpr int STEP = DECODE ? NWG : 1;
+  const int first = DECODE ? c : 0, own = DECODE ? (n > c ? (n - c + NWG - 1) / NWG : 0) : n;
+  for (int j = 0; j < own; ++j) {
+    const int i = first + STEP * j;
     const int t = t0 + i, stage = i % STAGES;
     const unsigned phase = (i / STAGES) & 1;
     mbar_wait(full + 8 * stage, phase);
@@ -643,8 +664,8 @@ KL_DEV void consume(const Params& p, const Work& w, int c, int tid, unsigned bas
     wgmma_commit();
 #endif
 #if OVERLAP
-    if (i > 0)
-      update2_tile(prev_masked, e1, x2, r, prev_rel, i == 1, rest1);
+    if (j > 0)
+      update2_tile(prev_masked, e1, x2, r, prev_rel, j == 1, rest1);
     else
       rest1();
     __syncwarp();  // the per-thread fast / exact choice reconverges before wgmma (.aligned)
@@ -665,13 +686,13 @@ KL_DEV void consume(const Params& p, const Work& w, int c, int tid, unsigned bas
     wgmma_wait<1>();  // S1 is done (ISSUE_SPLIT: S2's first half may still run)
     fence_regs<NR>(s1);
     if (masked)
-      update1<true>(s1, e1, r, p.c1, rel, i == 0, rest2);
+      update1<true>(s1, e1, r, p.c1, rel, j == 0, rest2);
     else
-      update1<false>(s1, e1, r, p.c1, rel, i == 0, rest2);
+      update1<false>(s1, e1, r, p.c1, rel, j == 0, rest2);
     __syncwarp();  // the per-thread fast / exact choice reconverges before wgmma.wait (.aligned)
     wgmma_wait<0>();
     fence_regs<NR>(s2);
-    if (tid == 0) mbar_arrive(empty + 8 * stage);
+    if (tid == 0) mbar_arrive(empty + 8 * stage, STEP);  // DECODE: no other warpgroup reads it
 #if !WS
     if (c == 0 && tid == 0 && i + STAGES < n) {
       mbar_wait(empty + 8 * stage, phase);
@@ -683,16 +704,16 @@ KL_DEV void consume(const Params& p, const Work& w, int c, int tid, unsigned bas
 #if OVERLAP
     prev_masked = masked, prev_rel[0] = rel[0], prev_rel[1] = rel[1];
 #else
-    update2_tile(masked, e1, x2, r, rel, i == 0, [] {});
+    update2_tile(masked, e1, x2, r, rel, j == 0, [] {});
     __syncwarp();  // and before the next tile's bar.sync and wgmma
 #endif
   }
 #if OVERLAP
-  if (n > 0) {
-    update2_tile(prev_masked, e1, x2, r, prev_rel, n == 1, [] {});
+  if (own > 0) {
+    update2_tile(prev_masked, e1, x2, r, prev_rel, own == 1, [] {});
   }
 #endif
-  finish(p, r, rows, sp.nq, lane, sp.out0, w.split);
+  finish(p, r, rows, sp.nq, lane, sp.out0, DECODE ? w.split * NWG + c : w.split);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1) kl_fwd(const __grid_constant__ Params p) {

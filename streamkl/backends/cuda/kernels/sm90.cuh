@@ -37,6 +37,14 @@ KL_DEV void mbar_arrive(unsigned bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
 }
 
+// `count` arrivals at once (count 1: the plain arrive, so builds without a count stay as they were).
+KL_DEV void mbar_arrive(unsigned bar, unsigned count) {
+  if (count == 1)
+    mbar_arrive(bar);
+  else
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+
 // Spins until the barrier's phase of parity `parity` has completed (a fresh barrier counts the
 // phase before its first as complete, so waiting on parity 1 returns at once).
 KL_DEV void mbar_wait(unsigned bar, unsigned parity) {
