@@ -163,6 +163,13 @@ def time_gemm():
     return 2 * 8192**3 / bench_ms(lambda: a @ b) / 1e9
 
 
+def time_copy():
+    """Device-to-device copy, GB/s of bytes read + written: the bound of the decode shapes."""
+    src = torch.empty(2**30, device="cuda", dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    return 2 * 2**30 / bench_ms(lambda: dst.copy_(src)) / 1e6
+
+
 def time_shape(d, nq, nk, causal, variants, rounds, work):
     """work / ms / 1e9 of the triton forward (through the op) and of each variant at B=1, H=32
     (TFLOP/s where work is FLOPs, GB/s where it is bytes x 1000), with each one's median ms and
@@ -317,7 +324,9 @@ def main():
     if args.decode:
         cols = ["triton", *good]
         head = f"{'D':>4} {'Nq':>4} {'Nk':>7} " + " ".join(f"{c:>16}" for c in cols)
-        print(head + "   (GB/s of keys read)")
+        copy = time_copy()
+        out["timings"].append(dict(what="copy-gbps", gbps=copy))
+        print(head + f"   (GB/s of keys read; device copy {copy:.0f} GB/s)")
         for shape in args.decode.split(","):
             nq, nk = (int(x) for x in shape.split("x"))
             for d in [int(x) for x in args.dims.split(",")] if args.dims else [128]:
@@ -325,6 +334,9 @@ def main():
                 row = time_shape(d, nq, nk, False, good, args.rounds, key_bytes * 1e3)
                 out["timings"].append(row)
                 print(f"{d:>4} {nq:>4} {nk:>7} " + " ".join(f"{row[c]:>16.0f}" for c in cols), flush=True)
+        copy_end = time_copy()
+        out["timings"].append(dict(what="copy-gbps-end", gbps=copy_end))
+        print(f"(device copy at the end {copy_end:.0f} GB/s)")
         if args.json:
             json.dump(out, open(args.json, "w"), indent=1)
         return
