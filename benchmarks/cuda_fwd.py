@@ -170,17 +170,18 @@ def time_copy():
     return 2 * 2**30 / bench_ms(lambda: dst.copy_(src)) / 1e6
 
 
-def time_shape(d, nq, nk, causal, variants, rounds, work):
-    """work / ms / 1e9 of the triton forward (through the op) and of each variant at B=1, H=32
-    (TFLOP/s where work is FLOPs, GB/s where it is bytes x 1000), with each one's median ms and
-    spread: the median of `rounds` rounds that each time every one in turn, so a drift of the
-    clock falls on all."""
-    inputs = make_inputs(b=1, h=32, nq=nq, nk=nk, d1=d, d2=d, dtype=torch.bfloat16, device="cuda", seed=1)
+def time_shape(d, nq, nk, causal, variants, rounds, work, d2=None):
+    """work / ms / 1e9 of the triton forward (through the op) and of each variant at B=1, H=32,
+    head dims d and d2 (default d) (TFLOP/s where work is FLOPs, GB/s where it is bytes x 1000),
+    with each one's median ms and spread: the median of `rounds` rounds that each time every one
+    in turn, so a drift of the clock falls on all."""
+    d2 = d if d2 is None else d2
+    inputs = make_inputs(b=1, h=32, nq=nq, nk=nk, d1=d, d2=d2, dtype=torch.bfloat16, device="cuda", seed=1)
     ref_kl = streamkl.attn_kl(*inputs, causal=causal, backend="triton")
-    row = dict(d=d, n=nq, nk=nk, causal=causal)
+    row = dict(d=d if d2 == d else f"{d}x{d2}", n=nq, nk=nk, causal=causal)
     calls = {"triton": lambda: streamkl.attn_kl(*inputs, causal=causal, backend="triton")}
     for v in variants:
-        c, sched = consts_for(v, d, d, torch.bfloat16), SCHEDULES.get(v)
+        c, sched = consts_for(v, d, d2, torch.bfloat16), SCHEDULES.get(v)
         kl, _, _ = run_cuda(inputs, causal, c, sched)
         if v not in ABLATIONS:
             row[v + "-vs-triton-relerr"] = rel_err(kl, ref_kl)
@@ -235,7 +236,8 @@ def main():
     ap.add_argument("--json")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--sizes", default="8192,16384")
-    ap.add_argument("--dims", help="head dims timed at every size (default: 128, and 64 at the first size)")
+    ap.add_argument("--dims", help="head dims timed at every size (default: 128, and 64 at the first size); "
+                    "--decode also takes D1xD2")  # fmt: skip
     ap.add_argument("--decode", help="time only these NQxNK shapes (non-causal), e.g. 1x32768,64x131072")
     ap.add_argument("--causal", choices=["0", "1", "both"], default="both", help="the masks timed")
     ap.add_argument("--rounds", type=int, default=3, help="timing rounds per shape (the median is kept)")
@@ -323,17 +325,18 @@ def main():
 
     if args.decode:
         cols = ["triton", *good]
-        head = f"{'D':>4} {'Nq':>4} {'Nk':>7} " + " ".join(f"{c:>16}" for c in cols)
+        head = f"{'D':>7} {'Nq':>4} {'Nk':>7} " + " ".join(f"{c:>16}" for c in cols)
         copy = time_copy()
         out["timings"].append(dict(what="copy-gbps", gbps=copy))
         print(head + f"   (GB/s of keys read; device copy {copy:.0f} GB/s)")
         for shape in args.decode.split(","):
             nq, nk = (int(x) for x in shape.split("x"))
-            for d in [int(x) for x in args.dims.split(",")] if args.dims else [128]:
-                key_bytes = 2 * 32 * nk * d * 2  # both key tensors, read once
-                row = time_shape(d, nq, nk, False, good, args.rounds, key_bytes * 1e3)
+            for dims in args.dims.split(",") if args.dims else ["128"]:
+                d1, d2 = (int(x) for x in (dims.split("x") * 2)[:2])  # "64" or "64x128"
+                key_bytes = 32 * nk * (d1 + d2) * 2  # both key tensors, read once
+                row = time_shape(d1, nq, nk, False, good, args.rounds, key_bytes * 1e3, d2)
                 out["timings"].append(row)
-                print(f"{d:>4} {nq:>4} {nk:>7} " + " ".join(f"{row[c]:>16.0f}" for c in cols), flush=True)
+                print(f"{dims:>7} {nq:>4} {nk:>7} " + " ".join(f"{row[c]:>16.0f}" for c in cols), flush=True)
         copy_end = time_copy()
         out["timings"].append(dict(what="copy-gbps-end", gbps=copy_end))
         print(f"(device copy at the end {copy_end:.0f} GB/s)")

@@ -202,6 +202,25 @@ def test_split_k_decode_shapes(nq, nk, hk1, hk2, causal):
         _check_poisoned(inputs, causal, s1, s2)
 
 
+@gpu
+@sm90
+@pytest.mark.parametrize("h", [32, 4])
+@pytest.mark.parametrize("d", [128, 64])
+def test_decode_long_key_loops_repeated(h, d):
+    """One query row against 32K keys: every CTA streams a long share of key tiles through the ring,
+    where out-of-order TMA completions reach a stage's barrier (kl_fwd.cu, DECODE); launched again
+    and again into poisoned outputs, each launch against the float64 oracle."""
+    inputs = make_inputs(h=h, nq=1, nk=32768, d1=d, d2=d, dtype=torch.bfloat16, device="cuda", seed=h + d)
+    s = 1 / math.sqrt(d)
+    expected = Expected(inputs, causal=False, scale1=s, scale2=s)
+    for _ in range(10):
+        out = tuple(torch.full(inputs[0].shape[:3], float("nan"), device="cuda") for _ in range(3))
+        kl, lse1, lse2 = _launch.forward(*inputs, causal=False, scale1=s, scale2=s, out=out)
+        torch.cuda.synchronize()
+        expected.check_kl(kl)
+        expected.check_lse(lse1, lse2)
+
+
 # Packed sequence lengths: empty ones, one row, tile edges and ragged ends, next to long ones
 # (a few heads: the long sequences' row tiles are split-K's) and many short ones.
 PACKED = [[0, 130, 1, 300, 64, 0, 257, 128], [4000, 3, 129, 2500], [17] * 40 + [1000]]
