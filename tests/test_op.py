@@ -161,16 +161,17 @@ def test_forward_mode_ad_is_refused_not_dropped():
 
 
 def test_auto_passes_by_a_backend_where_it_declines(monkeypatch):
-    """cuda declines decode shapes (few query rows), where triton is measured faster: auto takes
-    triton there and cuda elsewhere; named, cuda runs both."""
+    """cuda declines decode shapes (few query rows) with a head dim over 64, where triton is
+    measured faster: auto takes triton there and cuda elsewhere; named, cuda runs both."""
     from streamkl import _dispatch
 
     cuda, triton = _dispatch.module("cuda"), _dispatch.module("triton")
     monkeypatch.setattr(cuda, "supports", lambda *args, **kwargs: None)
     monkeypatch.setattr(triton, "supports", lambda *args, **kwargs: None)
     rows = cuda.AUTO_MIN_QUERY_ROWS
-    decode, prefill = make_inputs(h=2, nq=rows, nk=64), make_inputs(h=2, nq=rows + 1, nk=64)
-    for inputs, auto in ((decode, triton), (prefill, cuda)):
+    decode, prefill = make_inputs(h=2, nq=rows, nk=64, d2=128), make_inputs(h=2, nq=rows + 1, nk=64, d2=128)
+    decode64 = make_inputs(h=2, nq=rows, nk=64, d1=64, d2=64)
+    for inputs, auto in ((decode, triton), (prefill, cuda), (decode64, cuda)):
         assert (_dispatch.auto_declines("cuda", *inputs) is None) == (auto is cuda)
         assert _dispatch.auto_declines("triton", *inputs) is None
         assert _dispatch.first_for_auto(*inputs, None) is auto

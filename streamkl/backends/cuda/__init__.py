@@ -10,8 +10,9 @@ import functools
 import torch
 
 BACKWARD = "triton"  # no CUDA backward yet: the op runs triton's on this forward's statistics
-# At this many query rows or fewer (decode) triton's split-K reads the keys about 10% faster
-# (docs/cuda.md, Dispatch); at 64 rows this kernel is 1.45x-1.56x triton's.
+# At this many query rows or fewer (decode), where a head dim is over 64, triton's split-K reads
+# the keys 1-6% faster (docs/cuda.md, Dispatch); where both are at most 64, and from 32 rows on
+# everywhere, this kernel is faster.
 AUTO_MIN_QUERY_ROWS = 16
 
 _DTYPES = (torch.bfloat16, torch.float16)
@@ -65,8 +66,8 @@ def supports(q1, k1, q2, k2, cu_seqlens=None) -> str | None:
 
 
 def auto_declines(q1, k1, q2, k2, cu_seqlens=None) -> str | None:
-    if cu_seqlens is None and q1.shape[2] <= AUTO_MIN_QUERY_ROWS:
-        return f"at {AUTO_MIN_QUERY_ROWS} query rows or fewer triton's split-K is measured faster"
+    if cu_seqlens is None and q1.shape[2] <= AUTO_MIN_QUERY_ROWS and max(q1.shape[3], q2.shape[3]) > 64:
+        return f"at {AUTO_MIN_QUERY_ROWS} query rows or fewer, a head dim over 64: triton is measured faster"
     return None
 
 
