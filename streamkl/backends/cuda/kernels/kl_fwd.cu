@@ -65,8 +65,8 @@
 // Reads q1, k1, q2, k2 through 4-D tensor maps {D, N, heads, B} built from the tensors' strides
 //   (query head h reads key head h / g); writes kl, lse1, lse2 ([B, H, Nq] float32) of its rows,
 //   kl = 0 and lse = -inf on rows that see no key (splits > 1: part, [splits, B * H * Nq, 6]).
-// A consumer whose 64 rows all lie past Nq (Nq <= 64) runs no GEMM and no update, keeping only
-//   its barrier duties, so decode-like shapes pay one warpgroup's math per key tile.
+// A consumer whose 64 rows all lie past Nq (without DECODE: a packed sequence of at most 64 rows)
+//   runs no GEMM and no update, keeping only its barrier duties.
 #include "sm90.cuh"
 
 #ifndef D1P
@@ -594,7 +594,7 @@ KL_DEV void consume(const Params& p, const Work& w, int c, int tid, unsigned bas
 #if PINGPONG
   if (c == NWG - 1 && n > 0) named_arrive(1, 256);  // the first turn is warpgroup 0's
 #endif
-  if (r0 >= sp.nq) {  // every row past Nq (decode): only the barrier duties, no GEMM, no update
+  if (r0 >= sp.nq) {  // every row past Nq (a short sequence): only the barrier duties, no GEMM, no update
     for (int i = 0; i < n; ++i) {
       // The one thread that releases a stage waits for it: a warp that waited for nothing it
       // reads could fall a whole phase of the ring behind the releases and never see its parity.
