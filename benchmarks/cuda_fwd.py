@@ -55,6 +55,8 @@ VARIANTS = {
     "s-issue-split": dict(SHIPPED, ISSUE_SPLIT=1),
     # at most 64 query rows without DECODE: one consumer runs every key tile's math
     "d-nodecode": dict(SHIPPED, DECODE=0),
+    # unmasked grids of more than one wave: the last partial wave's row tiles split (TAIL)
+    "t-tail": dict(SHIPPED, TAIL=1),
 }
 # The shipped build launched in another grid order or split count (the launch's schedule; the head
 # group applies under causal masking only).
@@ -86,6 +88,8 @@ CHECKS = [
     (1, 12, 4, 3, 500, 600, 128, 128, "bhnd", True, torch.bfloat16),  # heads in groups of 8 and 4
     (1, 2, 1, 2, 3, 3000, 128, 64, "bnhd", True, torch.bfloat16),  # split-K
     (1, 2, 2, 1, 752, 752, 128, 64, "bnhd", True, torch.bfloat16, PACKED),
+    (1, 32, 32, 32, 1000, 1000, 128, 128, "bhnd", False, torch.bfloat16),  # 192 row tiles: TAIL splits 60
+    (2, 16, 16, 8, 1000, 700, 128, 64, "bnhd", False, torch.float16),  # the same over two batches
 ]
 
 

@@ -25,7 +25,7 @@ TMA_BOX = 64  # 16-bit columns per TMA box: one 128-byte swizzle span
 MAX_D = 128  # head dims are padded (by TMA's zero fill) to 64 or 128
 PARAMS_BYTES = 640  # sizeof(Params) in kl_fwd.cu: four 128-byte maps, then the scalars
 # kl, lse1, lse2, part, cu, h, nq, nk, g1, g2, m_tiles, causal, splits, rows, hgroup, c1, c2
-_SCALARS = struct.Struct("<5Q10i2f")
+_SCALARS = struct.Struct("<5Q10i2f3i")
 _PAD = bytes(PARAMS_BYTES - 4 * 128 - _SCALARS.size)
 SOURCE_FILE = "kl_fwd.cu"
 ENTRY = "kl_fwd"
@@ -277,6 +277,15 @@ def splits_for(ctas: int, key_tiles: int, batch: int, sms: int, tile: int, causa
     return min(range(1, top + 1), key=cost)  # the fewest splits among the fastest
 
 
+def tail_for(units: int, key_tiles: int, sms: int) -> tuple[int, int]:
+    """(first split row tile, splits) of a TAIL launch: a grid of more than one wave of alike row
+    tiles (one CTA per SM) splits its last partial wave's `r` tiles sms // r ways, as many as
+    still fit one wave, each split at least two key tiles; (0, 0) where that is fewer than 2."""
+    r = units % sms
+    s = min(MAX_SPLITS, sms // r, key_tiles // 2) if units > sms and r else 0
+    return (units - r, s) if s >= 2 else (0, 0)
+
+
 def forward(
     q1, k1, q2, k2, *, causal, scale1, scale2, cu_seqlens=None, max_seqlen=None, consts=None, schedule=None,
     out=None,
@@ -324,6 +333,11 @@ def forward(
     hgroup = min(H, CAUSAL_HEAD_GROUP) if causal else 1
     if schedule is not None:
         splits, hgroup = schedule.get("splits", splits), min(H, schedule.get("hgroup", hgroup))
+    units = m_tiles * H * seqs
+    tail0, tail_splits = 0, 0
+    if consts.get("TAIL") and not causal and cu_seqlens is None and not decode:
+        tail0, tail_splits = tail_for(units, key_tiles, _sm_count(index))
+        splits = tail_splits or splits
     parts = splits * consts["NWG"] if decode else splits  # partial states per row (DECODE: per consumer)
     part = torch.empty(parts * rows * PART, device=dev, dtype=torch.float32) if parts > 1 else None
     block = (
@@ -349,6 +363,9 @@ def forward(
             hgroup,
             float(scale1) * LOG2E,
             float(scale2) * LOG2E,
+            tail0,
+            tail_splits,
+            units,
         )
         + _PAD
     )
@@ -358,15 +375,16 @@ def forward(
 
     # torch's current stream as a raw handle (torch.cuda.current_stream builds an object: ~6 us)
     stream = driver.CUstream(torch._C._cuda_getCurrentRawStream(index))
-    grid = (m_tiles * H, 1, seqs * splits)
+    grid = (tail0 + (units - tail0) * tail_splits, 1, 1) if tail_splits else (m_tiles * H, 1, seqs * splits)
     (err,) = driver.cuLaunchKernel(
         k.handle, *grid, k.threads, 1, 1, k.smem, stream, ctypes.addressof(argv), 0
     )
     if int(err) != 0:
         raise RuntimeError(f"cuLaunchKernel of {ENTRY} {consts} failed: {err!r}")
     if parts > 1:  # part stays alive until the combine ran: the allocator reuses it in stream order
+        combined = (units - tail0) * k.bm if tail_splits else rows  # TAIL: the split row tiles' rows
         (err,) = driver.cuLaunchKernel(
-            k.combine, -(-rows // 128), 1, 1, 128, 1, 1, 0, stream, ctypes.addressof(argv), 0
+            k.combine, -(-combined // 128), 1, 1, 128, 1, 1, 0, stream, ctypes.addressof(argv), 0
         )
         if int(err) != 0:
             raise RuntimeError(f"cuLaunchKernel of {COMBINE} {consts} failed: {err!r}")

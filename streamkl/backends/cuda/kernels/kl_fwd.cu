@@ -10,7 +10,8 @@
 // never written; keys past the end are masked like the ragged last tile of a dense row. Split-K
 // (splits > 1, when the row tiles alone would leave SMs idle: decode, few query rows): split s of
 // z = b * splits + s runs its share of the row tile's key tiles and writes the rows' merged
-// states to part; kl_combine (at the end of this file) merges them.
+// states to part; kl_combine (at the end of this file) merges them. TAIL (below): a 1-D grid over
+// every batch's row tiles, the last partial wave's split.
 // Block: 128 * (NWG + WS) threads, one CTA per SM (__launch_bounds__(.., 1)).
 //   WS = 1: warpgroup 0 is the producer (setmaxnreg.dec; one thread issues every TMA: q1, q2
 //           of the CTA once, then the k1, k2 tiles of each key tile into a STAGES-deep ring);
@@ -110,6 +111,13 @@
 #ifndef DECODE
 #define DECODE 0
 #endif
+// TAIL: with p.tail_splits > 0 (dense unmasked grids over one wave whose last wave is partial),
+// the grid is one-dimensional over the B * H * m_tiles row tiles of every batch, and the row tiles
+// from p.tail0 on, the last partial wave, run split p.tail_splits ways (parts for kl_combine),
+// so that wave's SMs all work for a shorter time instead of few for a whole CTA's.
+#ifndef TAIL
+#define TAIL 0
+#endif
 #ifndef OVERLAP
 #define OVERLAP 0
 #endif
@@ -170,6 +178,7 @@ struct Params {
   int h, nq, nk, g1, g2, m_tiles, causal, splits, rows;  // rows = B * H * Nq (the tensors')
   int hgroup;  // heads per group of the grid's order (the header)
   float c1, c2;  // scale * log2(e)
+  int tail0, tail_splits, units;  // TAIL: the first split row tile, its splits, B * H * m_tiles
 };
 
 static_assert(sizeof(Params) == 640, "PARAMS_BYTES in _launch.py packs this layout");
@@ -514,7 +523,8 @@ KL_DEV void write_row(const Params& p, long long o, float M1, float L1, float M2
 
 // Merges the four threads of each row (log-sum-exp of their partial states) and writes the row,
 // or with splits > 1 its state, as part `split` of the row, for kl_combine.
-KL_DEV void finish(const Params& p, const Row* r, const int* rows, int nq, int lane, long long out0, int split) {
+KL_DEV void finish(const Params& p, const Row* r, const int* rows, int nq, int lane, long long out0, int split,
+                   bool to_part) {
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     const float M1 = quad_max(r[i].m1), M2 = quad_max(r[i].m2);
@@ -524,7 +534,7 @@ KL_DEV void finish(const Params& p, const Row* r, const int* rows, int nq, int l
     const float AA = quad_sum(r[i].aa * w1), AB = quad_sum(r[i].ab * w1);
     if ((lane & 3) == 0 && rows[i] < nq) {
       const long long o = out0 + rows[i];
-      if (p.splits > 1) {
+      if (to_part) {
         float* q = p.part + ((long long)split * p.rows + o) * PART;
         q[0] = M1, q[1] = L1, q[2] = M2, q[3] = L2, q[4] = AA, q[5] = AB;
       } else {
@@ -538,16 +548,38 @@ KL_DEV void finish(const Params& p, const Row* r, const int* rows, int nq, int l
 struct Work {
   Span sp;
   int m0, h, h1, h2, split, t0, n;
+  bool to_part;  // its rows' states go to part (split-K), not to the outputs
 };
+
+// Head and row tile of slot x of a batch's H * m_tiles (the grid's order, the header). Groups
+// before this slot's are full (hgroup heads); the last may hold fewer.
+KL_DEV void slot_of(const Params& p, unsigned x, int& h, int& mt) {
+  const int group = x / (p.hgroup * p.m_tiles), g0 = group * p.hgroup;
+  const int in_group = min(p.hgroup, p.h - g0), r = x - g0 * p.m_tiles;
+  mt = p.m_tiles - 1 - r / in_group, h = g0 + r % in_group;
+}
 
 // False for a row tile past its packed sequence's end: no rows, no loads.
 KL_DEV bool work_of(const Params& p, unsigned x, unsigned z, Work& w) {
-  // Groups before this slot's are full (hgroup heads); the last may hold fewer.
-  const int group = x / (p.hgroup * p.m_tiles), g0 = group * p.hgroup;
-  const int in_group = min(p.hgroup, p.h - g0), r = x - g0 * p.m_tiles;
-  const int mt = p.m_tiles - 1 - r / in_group, h = g0 + r % in_group;
-  const int splits = DECODE ? p.splits / NWG : p.splits;  // the CTAs' splits of the key tiles
-  const int b = z / splits, split = z % splits;
+  unsigned slot = x;
+  int b, split, splits;
+#if TAIL
+  if (p.tail_splits > 0) {  // x runs the row tiles of every batch, the tail's split
+    int unit = x;
+    split = 0, splits = 1;
+    if (unit >= p.tail0) {
+      const int t = unit - p.tail0;
+      unit = p.tail0 + t / p.tail_splits, split = t % p.tail_splits, splits = p.tail_splits;
+    }
+    b = unit / (p.h * p.m_tiles), slot = unit % (p.h * p.m_tiles);
+  } else
+#endif
+  {
+    splits = DECODE ? p.splits / NWG : p.splits;  // the CTAs' splits of the key tiles
+    b = z / splits, split = z % splits;
+  }
+  int h, mt;
+  slot_of(p, slot, h, mt);
   const int m0 = mt * BM;
   Span sp{p.nq, p.nk, 0, b, ((long long)b * p.h + h) * p.nq};
   if (p.cu != nullptr) {
@@ -560,7 +592,7 @@ KL_DEV bool work_of(const Params& p, unsigned x, unsigned z, Work& w) {
   // Split-K: split s runs key tiles [t0, t0 + n) of the row tile's n_tiles.
   const int per = (n_tiles + splits - 1) / splits;
   const int t0 = min(n_tiles, split * per), n = min(n_tiles, t0 + per) - t0;
-  w = Work{sp, m0, h, h / p.g1, h / p.g2, split, t0, n};
+  w = Work{sp, m0, h, h / p.g1, h / p.g2, split, t0, n, TAIL && p.tail_splits > 0 ? splits > 1 : p.splits > 1};
   return true;
 }
 
@@ -713,7 +745,7 @@ KL_DEV void consume(const Params& p, const Work& w, int c, int tid, unsigned bas
     update2_tile(prev_masked, e1, x2, r, prev_rel, own == 1, [] {});
   }
 #endif
-  finish(p, r, rows, sp.nq, lane, sp.out0, DECODE ? w.split * NWG + c : w.split);
+  finish(p, r, rows, sp.nq, lane, sp.out0, DECODE ? w.split * NWG + c : w.split, TAIL ? w.to_part : p.splits > 1);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1) kl_fwd(const __grid_constant__ Params p) {
@@ -769,7 +801,17 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kl_fwd(const __grid_con
 // row's `splits` partial states (any references: w = 2^(M_s - M)) and writes kl, lse1, lse2 as
 // kl_fwd does without splits. Reads part; writes kl, lse1, lse2.
 extern "C" __global__ void __launch_bounds__(128) kl_combine(const __grid_constant__ Params p) {
-  const long long o = (long long)blockIdx.x * 128 + threadIdx.x;
+  long long o = (long long)blockIdx.x * 128 + threadIdx.x;
+#if TAIL
+  if (p.tail_splits > 0) {  // one thread per row of the split row tiles
+    const int unit = p.tail0 + (int)(o / BM), r = (int)(o % BM);
+    if (unit >= p.units) return;
+    int h, mt;
+    slot_of(p, unit % (p.h * p.m_tiles), h, mt);
+    if (mt * BM + r >= p.nq) return;
+    o = ((long long)(unit / (p.h * p.m_tiles)) * p.h + h) * p.nq + mt * BM + r;
+  } else
+#endif
   if (o >= p.rows) return;
   float M1 = -KL_INF, M2 = -KL_INF;
   for (int s = 0; s < p.splits; ++s) {
