@@ -80,7 +80,7 @@ def shipped(d1p: int, d2p: int, fp16: bool, decode: bool = False) -> dict:
     operand, issue_split's GEMM issue, as many ring stages as shared memory holds, up to 4;
     decode: the consumers share one Q tile and split the key tiles (DECODE), over a ring of
     2 NWG stages (a multiple of NWG: each stage has one reader) where they fit, else NWG."""
-    c = dict(KL_FP16=int(fp16), D1P=d1p, D2P=d2p, NWG=3, BN=64, STAGES=1, WS=1, PINGPONG=0, OVERLAP=1)
+    c = dict(KL_FP16=int(fp16), D1P=d1p, D2P=d2p, NWG=3, BN=64, STAGES=1, WS=1, PINGPONG=0, OVERLAP=1, TAIL=1)
     c["QREGS"] = q_in_registers(d1p, d2p)
     c["ISSUE_SPLIT"] = issue_split(d1p, d2p)
     if decode:
