@@ -113,6 +113,22 @@ def test_split_k_fills_the_sms_only_where_the_row_tiles_do_not():
                 assert 1 <= s <= max(1, tiles * tile // _launch.MIN_KEYS_PER_SPLIT) and batch * s <= 65535
 
 
+def test_tail_splits_only_a_partial_last_wave():
+    sms = 132
+    # 4K and 8K over 32 heads in 192-row tiles: 704 and 1376 row tiles, the last 44 and 56 split
+    # as many ways as one wave holds; 16K's last wave (112 of 132) has no room for a split
+    assert _launch.tail_for(704, 64, sms) == (660, 3)
+    assert _launch.tail_for(1376, 128, sms) == (1320, 2)
+    assert _launch.tail_for(2752, 256, sms) == (0, 0)
+    for units in (100, 132, 264):  # one wave or less, a full last wave
+        assert _launch.tail_for(units, 64, sms) == (0, 0)
+    assert _launch.tail_for(704, 3, sms) == (0, 0)  # fewer than two key tiles a split
+    for units in range(133, 2000, 7):
+        t0, s = _launch.tail_for(units, 64, sms)
+        if s:
+            assert t0 == units - units % sms and 2 <= s <= 32 and (units - t0) * s <= sms
+
+
 def test_supports_refuses_what_it_cannot_run_on_cpu():
     q = torch.randn(1, 2, 8, 64, dtype=torch.bfloat16)
     assert "CUDA tensors" in backend.supports(q, q, q, q)
@@ -219,6 +235,23 @@ def test_decode_long_key_loops_repeated(h, d):
         torch.cuda.synchronize()
         expected.check_kl(kl)
         expected.check_lse(lse1, lse2)
+
+
+@gpu
+@sm90
+@pytest.mark.parametrize("b,h,hk1,hk2,nq,nk,d1,d2", [(1, 32, 32, 32, 1000, 1000, 128, 128),
+                                                    (2, 16, 4, 8, 1000, 700, 128, 64),
+                                                    (1, 24, 24, 3, 1100, 2001, 64, 64)])  # fmt: skip
+def test_tail_split_grids(b, h, hk1, hk2, nq, nk, d1, d2):
+    """Unmasked grids of more than one wave whose last partial wave is split (TAIL): every row of
+    the split row tiles and of the others written, and written right, over batches and GQA."""
+    c = _launch.shipped(_launch.padded_dim(d1), _launch.padded_dim(d2), False)
+    units = b * h * -(-nq // (64 * c["NWG"]))
+    assert c["TAIL"] and _launch.tail_for(units, -(-nk // c["BN"]), _launch._sm_count(0))[1] >= 2
+    for dtype in (torch.bfloat16, torch.float16):
+        inputs = make_inputs(b=b, h=h, hk1=hk1, hk2=hk2, nq=nq, nk=nk, d1=d1, d2=d2, dtype=dtype,
+                             device="cuda", layout="bnhd", seed=units + nk)  # fmt: skip
+        _check_poisoned(inputs, False, 1 / math.sqrt(d1), 1 / math.sqrt(d2))
 
 
 # Packed sequence lengths: empty ones, one row, tile edges and ragged ends, next to long ones

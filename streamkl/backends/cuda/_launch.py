@@ -335,7 +335,8 @@ def forward(
         splits, hgroup = schedule.get("splits", splits), min(H, schedule.get("hgroup", hgroup))
     units = m_tiles * H * seqs
     tail0, tail_splits = 0, 0
-    if consts.get("TAIL") and not causal and cu_seqlens is None and not decode:
+    given_splits = schedule is not None and "splits" in schedule
+    if consts.get("TAIL") and not (causal or decode or given_splits) and cu_seqlens is None:
         tail0, tail_splits = tail_for(units, key_tiles, _sm_count(index))
         splits = tail_splits or splits
     parts = splits * consts["NWG"] if decode else splits  # partial states per row (DECODE: per consumer)
