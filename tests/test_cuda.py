@@ -11,6 +11,7 @@ tests/test_backends.py's, which runs on this backend wherever its `supports` adm
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -123,10 +124,13 @@ def test_tail_splits_only_a_partial_last_wave():
     for units in (100, 132, 264):  # one wave or less, a full last wave
         assert _launch.tail_for(units, 64, sms) == (0, 0)
     assert _launch.tail_for(704, 3, sms) == (0, 0)  # fewer than two key tiles a split
-    for units in range(133, 2000, 7):
-        t0, s = _launch.tail_for(units, 64, sms)
-        if s:
-            assert t0 == units - units % sms and 2 <= s <= 32 and (units - t0) * s <= sms
+    assert _launch.tail_for(150, 16, sms) == (132, 6)  # 7 ways would leave the last share empty
+    for units, key_tiles in itertools.product(range(133, 2000, 7), (4, 16, 17, 64)):
+        t0, s = _launch.tail_for(units, key_tiles, sms)
+        if s:  # within one wave, every split's contiguous share of key tiles non-empty
+            per = -(-key_tiles // s)
+            assert t0 == units - units % sms and 2 <= s and (units - t0) * s <= sms
+            assert (s - 1) * per < key_tiles
 
 
 def test_supports_refuses_what_it_cannot_run_on_cpu():
@@ -241,7 +245,8 @@ def test_decode_long_key_loops_repeated(h, d):
 @sm90
 @pytest.mark.parametrize("b,h,hk1,hk2,nq,nk,d1,d2", [(1, 32, 32, 32, 1000, 1000, 128, 128),
                                                     (2, 16, 4, 8, 1000, 700, 128, 64),
-                                                    (1, 24, 24, 3, 1100, 2001, 64, 64)])  # fmt: skip
+                                                    (1, 24, 24, 3, 1100, 2001, 64, 64),
+                                                    (1, 25, 25, 25, 1100, 1024, 64, 64)])  # fmt: skip
 def test_tail_split_grids(b, h, hk1, hk2, nq, nk, d1, d2):
     """Unmasked grids of more than one wave whose last partial wave is split (TAIL): every row of
     the split row tiles and of the others written, and written right, over batches and GQA."""

@@ -24,8 +24,9 @@ SMEM_LIMIT = 232448  # dynamic shared memory one sm_90 CTA may opt into (227 KB)
 TMA_BOX = 64  # 16-bit columns per TMA box: one 128-byte swizzle span
 MAX_D = 128  # head dims are padded (by TMA's zero fill) to 64 or 128
 PARAMS_BYTES = 640  # sizeof(Params) in kl_fwd.cu: four 128-byte maps, then the scalars
-# kl, lse1, lse2, part, cu, h, nq, nk, g1, g2, m_tiles, causal, splits, rows, hgroup, c1, c2
-_SCALARS = struct.Struct("<5Q10i2f3i")
+# kl, lse1, lse2, part, cu, h, nq, nk, g1, g2, m_tiles, causal, splits, rows, hgroup, c1, c2,
+# tail0, tail_splits
+_SCALARS = struct.Struct("<5Q10i2f2i")
 _PAD = bytes(PARAMS_BYTES - 4 * 128 - _SCALARS.size)
 SOURCE_FILE = "kl_fwd.cu"
 ENTRY = "kl_fwd"
@@ -280,9 +281,12 @@ def splits_for(ctas: int, key_tiles: int, batch: int, sms: int, tile: int, causa
 def tail_for(units: int, key_tiles: int, sms: int) -> tuple[int, int]:
     """(first split row tile, splits) of a TAIL launch: a grid of more than one wave of alike row
     tiles (one CTA per SM) splits its last partial wave's `r` tiles sms // r ways, as many as
-    still fit one wave, each split at least two key tiles; (0, 0) where that is fewer than 2."""
+    still fit one wave, at most key_tiles // 2, and no more than its contiguous shares of key
+    tiles need (none empty); (0, 0) where that is fewer than 2."""
     r = units % sms
     s = min(MAX_SPLITS, sms // r, key_tiles // 2) if units > sms and r else 0
+    if s >= 2:
+        s = -(-key_tiles // -(-key_tiles // s))  # the splits ceil(key_tiles / s)-tile shares fill
     return (units - r, s) if s >= 2 else (0, 0)
 
 
@@ -340,7 +344,8 @@ def forward(
         tail0, tail_splits = tail_for(units, key_tiles, _sm_count(index))
         splits = tail_splits or splits
     parts = splits * consts["NWG"] if decode else splits  # partial states per row (DECODE: per consumer)
-    part = torch.empty(parts * rows * PART, device=dev, dtype=torch.float32) if parts > 1 else None
+    part_rows = (units - tail0) * k.bm if tail_splits else rows  # TAIL: the split row tiles' rows
+    part = torch.empty(parts * part_rows * PART, device=dev, dtype=torch.float32) if parts > 1 else None
     block = (
         tensor_map(q1, 64)
         + tensor_map(k1, bn)
@@ -360,13 +365,12 @@ def forward(
             m_tiles,
             int(bool(causal)),
             parts,
-            rows if parts > 1 else 0,
+            part_rows if parts > 1 else 0,
             hgroup,
             float(scale1) * LOG2E,
             float(scale2) * LOG2E,
             tail0,
             tail_splits,
-            units,
         )
         + _PAD
     )
@@ -383,9 +387,8 @@ def forward(
     if int(err) != 0:
         raise RuntimeError(f"cuLaunchKernel of {ENTRY} {consts} failed: {err!r}")
     if parts > 1:  # part stays alive until the combine ran: the allocator reuses it in stream order
-        combined = (units - tail0) * k.bm if tail_splits else rows  # TAIL: the split row tiles' rows
         (err,) = driver.cuLaunchKernel(
-            k.combine, -(-combined // 128), 1, 1, 128, 1, 1, 0, stream, ctypes.addressof(argv), 0
+            k.combine, -(-part_rows // 128), 1, 1, 128, 1, 1, 0, stream, ctypes.addressof(argv), 0
         )
         if int(err) != 0:
             raise RuntimeError(f"cuLaunchKernel of {COMBINE} {consts} failed: {err!r}")

@@ -65,7 +65,8 @@
 //   times at once).
 // Reads q1, k1, q2, k2 through 4-D tensor maps {D, N, heads, B} built from the tensors' strides
 //   (query head h reads key head h / g); writes kl, lse1, lse2 ([B, H, Nq] float32) of its rows,
-//   kl = 0 and lse = -inf on rows that see no key (splits > 1: part, [splits, B * H * Nq, 6]).
+//   kl = 0 and lse = -inf on rows that see no key (splits > 1: part, [splits, rows, 6], rows
+//   B * H * Nq or, TAIL, the split row tiles' rows).
 // A consumer whose 64 rows all lie past Nq (without DECODE: a packed sequence of at most 64 rows)
 //   runs no GEMM and no update, keeping only its barrier duties.
 #include "sm90.cuh"
@@ -175,10 +176,10 @@ struct Params {
   float* lse2;
   float* part;  // splits > 1: [splits][rows][PART] partial row states, for kl_combine
   const int* cu;  // packed sequences: B + 1 offsets into the one packed batch (else null)
-  int h, nq, nk, g1, g2, m_tiles, causal, splits, rows;  // rows = B * H * Nq (the tensors')
+  int h, nq, nk, g1, g2, m_tiles, causal, splits, rows;  // rows: part's, B * H * Nq or (TAIL) fewer
   int hgroup;  // heads per group of the grid's order (the header)
   float c1, c2;  // scale * log2(e)
-  int tail0, tail_splits, units;  // TAIL: the first split row tile, its splits, B * H * m_tiles
+  int tail0, tail_splits;  // TAIL: the first split row tile, its splits (rows: the split tiles' rows)
 };
 
 static_assert(sizeof(Params) == 640, "PARAMS_BYTES in _launch.py packs this layout");
@@ -521,10 +522,10 @@ KL_DEV void write_row(const Params& p, long long o, float M1, float L1, float M2
   p.lse2[o] = lse2;
 }
 
-// Merges the four threads of each row (log-sum-exp of their partial states) and writes the row,
-// or with splits > 1 its state, as part `split` of the row, for kl_combine.
+// Merges the four threads of each row (log-sum-exp of their partial states) and writes row r to
+// out0 + r, or (to_part) its state as part `split` of part row part0 + r, for kl_combine.
 KL_DEV void finish(const Params& p, const Row* r, const int* rows, int nq, int lane, long long out0, int split,
-                   bool to_part) {
+                   bool to_part, long long part0) {
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     const float M1 = quad_max(r[i].m1), M2 = quad_max(r[i].m2);
@@ -533,12 +534,11 @@ KL_DEV void finish(const Params& p, const Row* r, const int* rows, int nq, int l
     const float L1 = quad_sum(r[i].l1 * w1), L2 = quad_sum(r[i].l2 * w2);
     const float AA = quad_sum(r[i].aa * w1), AB = quad_sum(r[i].ab * w1);
     if ((lane & 3) == 0 && rows[i] < nq) {
-      const long long o = out0 + rows[i];
       if (to_part) {
-        float* q = p.part + ((long long)split * p.rows + o) * PART;
+        float* q = p.part + ((long long)split * p.rows + part0 + rows[i]) * PART;
         q[0] = M1, q[1] = L1, q[2] = M2, q[3] = L2, q[4] = AA, q[5] = AB;
       } else {
-        write_row(p, o, M1, L1, M2, L2, AA, AB);
+        write_row(p, out0 + rows[i], M1, L1, M2, L2, AA, AB);
       }
     }
   }
@@ -549,6 +549,7 @@ struct Work {
   Span sp;
   int m0, h, h1, h2, split, t0, n;
   bool to_part;  // its rows' states go to part (split-K), not to the outputs
+  long long part0;  // row r's part row: part0 + r
 };
 
 // Head and row tile of slot x of a batch's H * m_tiles (the grid's order, the header). Groups
@@ -562,14 +563,15 @@ KL_DEV void slot_of(const Params& p, unsigned x, int& h, int& mt) {
 // False for a row tile past its packed sequence's end: no rows, no loads.
 KL_DEV bool work_of(const Params& p, unsigned x, unsigned z, Work& w) {
   unsigned slot = x;
-  int b, split, splits;
+  int b, split, splits, tail_tile = 0;  // TAIL: the index of a split row tile among them
 #if TAIL
   if (p.tail_splits > 0) {  // x runs the row tiles of every batch, the tail's split
     int unit = x;
     split = 0, splits = 1;
     if (unit >= p.tail0) {
       const int t = unit - p.tail0;
-      unit = p.tail0 + t / p.tail_splits, split = t % p.tail_splits, splits = p.tail_splits;
+      tail_tile = t / p.tail_splits, split = t % p.tail_splits, splits = p.tail_splits;
+      unit = p.tail0 + tail_tile;
     }
     b = unit / (p.h * p.m_tiles), slot = unit % (p.h * p.m_tiles);
   } else
@@ -592,7 +594,9 @@ KL_DEV bool work_of(const Params& p, unsigned x, unsigned z, Work& w) {
   // Split-K: split s runs key tiles [t0, t0 + n) of the row tile's n_tiles.
   const int per = (n_tiles + splits - 1) / splits;
   const int t0 = min(n_tiles, split * per), n = min(n_tiles, t0 + per) - t0;
-  w = Work{sp, m0, h, h / p.g1, h / p.g2, split, t0, n, TAIL && p.tail_splits > 0 ? splits > 1 : p.splits > 1};
+  const bool tail = TAIL && p.tail_splits > 0;  // part rows: the split row tiles' rows, in order
+  const long long part0 = tail ? (long long)tail_tile * BM - m0 : sp.out0;
+  w = Work{sp, m0, h, h / p.g1, h / p.g2, split, t0, n, tail ? splits > 1 : p.splits > 1, part0};
   return true;
 }
 
@@ -745,7 +749,8 @@ KL_DEV void consume(const Params& p, const Work& w, int c, int tid, unsigned bas
     update2_tile(prev_masked, e1, x2, r, prev_rel, own == 1, [] {});
   }
 #endif
-  finish(p, r, rows, sp.nq, lane, sp.out0, DECODE ? w.split * NWG + c : w.split, TAIL ? w.to_part : p.splits > 1);
+  finish(p, r, rows, sp.nq, lane, sp.out0, DECODE ? w.split * NWG + c : w.split, TAIL ? w.to_part : p.splits > 1,
+         TAIL ? w.part0 : sp.out0);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1) kl_fwd(const __grid_constant__ Params p) {
@@ -801,18 +806,18 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kl_fwd(const __grid_con
 // row's `splits` partial states (any references: w = 2^(M_s - M)) and writes kl, lse1, lse2 as
 // kl_fwd does without splits. Reads part; writes kl, lse1, lse2.
 extern "C" __global__ void __launch_bounds__(128) kl_combine(const __grid_constant__ Params p) {
-  long long o = (long long)blockIdx.x * 128 + threadIdx.x;
+  const long long o = (long long)blockIdx.x * 128 + threadIdx.x;  // the part row
+  if (o >= p.rows) return;
+  long long out = o;
 #if TAIL
-  if (p.tail_splits > 0) {  // one thread per row of the split row tiles
+  if (p.tail_splits > 0) {  // part row o: row o % BM of the split row tile o / BM
     const int unit = p.tail0 + (int)(o / BM), r = (int)(o % BM);
-    if (unit >= p.units) return;
     int h, mt;
     slot_of(p, unit % (p.h * p.m_tiles), h, mt);
-    if (mt * BM + r >= p.nq) return;
-    o = ((long long)(unit / (p.h * p.m_tiles)) * p.h + h) * p.nq + mt * BM + r;
-  } else
+    if (mt * BM + r >= p.nq) return;  // past Nq: never written
+    out = ((long long)(unit / (p.h * p.m_tiles)) * p.h + h) * p.nq + mt * BM + r;
+  }
 #endif
-  if (o >= p.rows) return;
   float M1 = -KL_INF, M2 = -KL_INF;
   for (int s = 0; s < p.splits; ++s) {
     const float* q = p.part + ((long long)s * p.rows + o) * PART;
@@ -825,5 +830,5 @@ extern "C" __global__ void __launch_bounds__(128) kl_combine(const __grid_consta
     const float w1 = ex2(q[0] - M1u), w2 = ex2(q[2] - M2u);
     L1 = fmaf(q[1], w1, L1), AA = fmaf(q[4], w1, AA), AB = fmaf(q[5], w1, AB), L2 = fmaf(q[3], w2, L2);
   }
-  write_row(p, o, M1, L1, M2, L2, AA, AB);
+  write_row(p, out, M1, L1, M2, L2, AA, AB);
 }
