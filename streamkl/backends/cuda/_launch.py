@@ -78,7 +78,8 @@ def shipped(d1p: int, d2p: int, fp16: bool, decode: bool = False) -> dict:
     """The constants of the instantiation that runs for padded head dims (d1p, d2p): a producer
     warpgroup and three consumer warpgroups of 64 rows, each overlapping its own GEMMs and
     updates, over 64-key tiles (docs/cuda.md), the queries of q_in_registers as wgmma's register
-    operand, issue_split's GEMM issue, as many ring stages as shared memory holds, up to 4;
+    operand, issue_split's GEMM issue, as many ring stages as shared memory holds, up to 4, and
+    unmasked grids' last partial wave split (TAIL, tail_for);
     decode: the consumers share one Q tile and split the key tiles (DECODE), over a ring of
     2 NWG stages (a multiple of NWG: each stage has one reader) where they fit, else NWG."""
     c = dict(KL_FP16=int(fp16), D1P=d1p, D2P=d2p, NWG=3, BN=64, STAGES=1, WS=1, PINGPONG=0, OVERLAP=1, TAIL=1)
