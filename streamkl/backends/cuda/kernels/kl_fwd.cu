@@ -802,9 +802,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kl_fwd(const __grid_con
 }
 
 
-// kl_combine: the split-K epilogue. Grid cdiv(rows, 128), 128 threads, one row each: merges the
-// row's `splits` partial states (any references: w = 2^(M_s - M)) and writes kl, lse1, lse2 as
-// kl_fwd does without splits. Reads part; writes kl, lse1, lse2.
+// kl_combine: the split-K epilogue. Grid cdiv(p.rows, 128), 128 threads, one part row each (TAIL:
+// mapped back to its output row): merges the row's `splits` partial states (any references:
+// w = 2^(M_s - M)) and writes kl, lse1, lse2 as kl_fwd does without splits. Reads part; writes
+// kl, lse1, lse2.
 extern "C" __global__ void __launch_bounds__(128) kl_combine(const __grid_constant__ Params p) {
   const long long o = (long long)blockIdx.x * 128 + threadIdx.x;  // the part row
   if (o >= p.rows) return;
