@@ -630,7 +630,7 @@ KL_DEV void consume(const Params& p, const Work& w, int c, int tid, unsigned bas
 #if PINGPONG
   if (c == NWG - 1 && n > 0) named_arrive(1, 256);  // the first turn is warpgroup 0's
 #endif
-  if (r0 >= sp.nq) {  // every row past Nq (a short sequence): only the barrier duties, no GEMM, no update
+  if (r0 >= sp.nq) {  // every row past Nq (a short sequence): barrier duties only, no GEMM or update
     for (int i = 0; i < n; ++i) {
       // The one thread that releases a stage waits for it: a warp that waited for nothing it
       // reads could fall a whole phase of the ring behind the releases and never see its parity.
@@ -749,8 +749,7 @@ KL_DEV void consume(const Params& p, const Work& w, int c, int tid, unsigned bas
     update2_tile(prev_masked, e1, x2, r, prev_rel, own == 1, [] {});
   }
 #endif
-  finish(p, r, rows, sp.nq, lane, sp.out0, DECODE ? w.split * NWG + c : w.split, TAIL ? w.to_part : p.splits > 1,
-         TAIL ? w.part0 : sp.out0);
+  finish(p, r, rows, sp.nq, lane, sp.out0, DECODE ? w.split * NWG + c : w.split, w.to_part, w.part0);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1) kl_fwd(const __grid_constant__ Params p) {
