@@ -260,21 +260,26 @@ def splits_for(ctas: int, key_tiles: int, batch: int, sms: int, tile: int, causa
     minimizes the time of the grid, one CTA per SM, each CTA its share of key tiles plus a fixed
     cost. Alike CTAs run in waves; under causal masking (causal = (nq, nk, rows per tile)) row
     tiles see different key counts and the grid starts the longest first, so the time is the
-    larger of the work per SM and the longest CTA. A grid of few row tiles (decode) is split to
-    fill the SMs; a large one stays unsplit."""
+    largest of two bounds: the work per SM, and for each CTA length p the waves that the CTAs of
+    at least that length need (n of them take ceil(n / sms) rounds of at least p on some SM; for
+    alike CTAs, as in decode, that is the unmasked count). A grid of few row tiles (decode) is
+    split to fill the SMs; a large one stays unsplit."""
     overhead = -(-SPLIT_OVERHEAD_KEYS // tile)
     top = max(1, min(MAX_SPLITS, key_tiles * tile // MIN_KEYS_PER_SPLIT, 65535 // batch))
     if causal is not None:
         nq, nk, bm = causal
         m_tiles = -(-nq // bm)
-        lengths = [-(-max(0, min(nk, (m + 1) * bm + nk - nq)) // tile) for m in range(m_tiles)]
-        copies = ctas // m_tiles
+        lengths = sorted(
+            (-(-max(0, min(nk, (m + 1) * bm + nk - nq)) // tile) for m in range(m_tiles)), reverse=True
+        )
+        copies = ctas // m_tiles  # CTAs of each row tile's length, before the split
 
     def cost(s):
         if causal is None:
             return -(-ctas * s // sms) * (-(-key_tiles // s) + overhead)
-        parts = [-(-n // s) + overhead for n in lengths]
-        return max(copies * s * sum(parts) / sms, max(parts))
+        parts = [-(-n // s) + overhead for n in lengths]  # longest first
+        waves = max(p * -(-copies * s * (i + 1) // sms) for i, p in enumerate(parts))
+        return max(copies * s * sum(parts) / sms, waves)
 
     return min(range(1, top + 1), key=cost)  # the fewest splits among the fastest
 
