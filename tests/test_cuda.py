@@ -108,10 +108,15 @@ def test_split_k_fills_the_sms_only_where_the_row_tiles_do_not():
             assert _launch.splits_for(-(-n // 192) * 32, n // tile, 1, sms, tile, (n, n, 192)) == 1
         assert _launch.splits_for(32, 32768 // tile, 1, sms, tile, (64, 32768, 192)) > 1
         # a causal grid of alike CTAs (one row tile per head, every row seeing nearly every key)
-        # splits as the unmasked one: 5 ways would make 160 CTAs, a second wave for 28 of them
+        # splits as the unmasked one: 5 ways at 32 heads would make 160 CTAs, a second wave for 28
         for nq, nk in ((1, 32768), (16, 32768), (64, 131072)):
             unmasked = _launch.splits_for(32, nk // tile, 1, sms, tile)
             assert _launch.splits_for(32, nk // tile, 1, sms, tile, (nq, nk, 192)) == unmasked == 4
+        for heads, nq, nk in itertools.product((1, 8, 100), (1, 192), (4096, 131072)):
+            causal = _launch.splits_for(heads, nk // tile, 1, sms, tile, (nq, nk, 192))
+            assert causal == _launch.splits_for(heads, nk // tile, 1, sms, tile)
+        # two row tiles a head of nearly the same length (256 rows): 64 CTAs, split as if alike
+        assert _launch.splits_for(64, 32768 // tile, 1, sms, tile, (256, 32768, 192)) == 2
         grids = [(1, 1, 1), (1, 7, 1), (3, 10_000, 1), (40_000, 2, 40_000), (2, 4096, 65535)]
         for ctas, tiles, batch in grids:
             for causal in (None, (ctas * 64, tiles * tile, 64), (1, tiles * tile, 64)):

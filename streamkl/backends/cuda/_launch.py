@@ -259,29 +259,29 @@ def splits_for(ctas: int, key_tiles: int, batch: int, sms: int, tile: int, causa
     """How many ways to split each row tile's key tiles (of `tile` keys; split-K): the count that
     minimizes the time of the grid, one CTA per SM, each CTA its share of key tiles plus a fixed
     cost. Alike CTAs run in waves; under causal masking (causal = (nq, nk, rows per tile)) row
-    tiles see different key counts and the grid starts the longest first, so the time is the
-    largest of two bounds: the work per SM, and for each CTA length p the waves that the CTAs of
-    at least that length need (n of them take ceil(n / sms) rounds of at least p on some SM; for
-    alike CTAs, as in decode, that is the unmasked count). A grid of few row tiles (decode) is
-    split to fill the SMs; a large one stays unsplit."""
+    tiles see different key counts, and the time is the larger of two lower bounds of any
+    one-CTA-per-SM schedule: the work per SM, and for each CTA length p the ceil(n / sms) turns
+    that the n CTAs at least that long need on some SM (for alike CTAs, as in decode, the
+    unmasked count). A grid of few row tiles (decode) is split to fill the SMs; a large one stays
+    unsplit."""
     overhead = -(-SPLIT_OVERHEAD_KEYS // tile)
     top = max(1, min(MAX_SPLITS, key_tiles * tile // MIN_KEYS_PER_SPLIT, 65535 // batch))
-    if causal is not None:
-        nq, nk, bm = causal
-        m_tiles = -(-nq // bm)
-        lengths = sorted(
-            (-(-max(0, min(nk, (m + 1) * bm + nk - nq)) // tile) for m in range(m_tiles)), reverse=True
-        )
-        copies = ctas // m_tiles  # CTAs of each row tile's length, before the split
-
-    def cost(s):
-        if causal is None:
-            return -(-ctas * s // sms) * (-(-key_tiles // s) + overhead)
-        parts = [-(-n // s) + overhead for n in lengths]  # longest first
-        waves = max(p * -(-copies * s * (i + 1) // sms) for i, p in enumerate(parts))
-        return max(copies * s * sum(parts) / sms, waves)
-
-    return min(range(1, top + 1), key=cost)  # the fewest splits among the fastest
+    if causal is None:
+        cost = lambda s: -(-ctas * s // sms) * (-(-key_tiles // s) + overhead)
+        return min(range(1, top + 1), key=cost)  # the fewest splits among the fastest
+    nq, nk, bm = causal
+    m_tiles = -(-nq // bm)
+    # every (split count, row tile) at once in float64, exact for these integers: a long causal
+    # grid has thousands of row tiles, and a new packed max_seqlen misses the cache
+    keys = [max(0, min(nk, (m + 1) * bm + nk - nq)) for m in range(m_tiles)]
+    lengths = torch.tensor(sorted((-(-k // tile) for k in keys), reverse=True), dtype=torch.float64)
+    s = torch.arange(1, top + 1, dtype=torch.float64)[:, None]
+    parts = torch.ceil(lengths / s) + overhead  # [split counts, row tiles], longest first
+    ctas_s = (ctas // m_tiles) * s  # CTAs of each row tile's length
+    work = (ctas_s * parts).sum(1) / sms
+    longer = torch.arange(1, m_tiles + 1, dtype=torch.float64)  # row tiles at least this long
+    waves = (parts * torch.ceil(ctas_s * longer / sms)).amax(1)
+    return int(torch.argmin(torch.maximum(work, waves))) + 1  # the first minimum: the fewest splits
 
 
 def tail_for(units: int, key_tiles: int, sms: int) -> tuple[int, int]:
