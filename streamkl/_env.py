@@ -1,7 +1,8 @@
 """Every STREAMKL_* environment variable, read when a call uses it (never frozen at import).
 
 Each reader raises ValueError naming the variable when its value is not one it accepts;
-`check_all` runs every reader, so a call rejects a bad value even of a variable that only
+`check_all` runs every reader but STREAMKL_BACKEND's (checked by the dispatch, which reads it
+only when no backend= is given), so a call rejects a bad value even of a variable that only
 another backend reads.
 """
 

@@ -16,7 +16,7 @@ BACKWARD = "triton"  # no CUDA backward yet: the op runs triton's on this forwar
 AUTO_MIN_QUERY_ROWS = 16
 
 _DTYPES = (torch.bfloat16, torch.float16)
-_MAX_GRID_YZ = 65535  # heads ride on grid y, the batch on grid z
+_MAX_GRID_YZ = 65535  # grid z holds the batch times the splits; heads keep the same bound (untested above)
 
 
 @functools.cache

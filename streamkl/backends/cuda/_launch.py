@@ -263,7 +263,7 @@ def splits_for(ctas: int, key_tiles: int, batch: int, sms: int, tile: int, causa
     one-CTA-per-SM schedule: the work per SM, and for each CTA length p the ceil(n / sms) turns
     that the n CTAs at least that long need on some SM (for alike CTAs, as in decode, the
     unmasked count). A grid of few row tiles (decode) is split to fill the SMs; a large one stays
-    unsplit."""
+    unsplit unless its last wave is partial (dense unmasked grids take tail_for instead)."""
     overhead = -(-SPLIT_OVERHEAD_KEYS // tile)
     top = max(1, min(MAX_SPLITS, key_tiles * tile // MIN_KEYS_PER_SPLIT, 65535 // batch))
     if causal is None:
@@ -271,15 +271,16 @@ def splits_for(ctas: int, key_tiles: int, batch: int, sms: int, tile: int, causa
         return min(range(1, top + 1), key=cost)  # the fewest splits among the fastest
     nq, nk, bm = causal
     m_tiles = -(-nq // bm)
-    # every (split count, row tile) at once in float64, exact for these integers: a long causal
-    # grid has thousands of row tiles, and a new packed max_seqlen misses the cache
+    # every (split count, row tile) at once in float64 on the host, exact for these integers: a
+    # long causal grid has thousands of row tiles, and a new packed max_seqlen misses the cache
+    f64 = dict(dtype=torch.float64, device="cpu")  # whatever the default device
     keys = [max(0, min(nk, (m + 1) * bm + nk - nq)) for m in range(m_tiles)]
-    lengths = torch.tensor(sorted((-(-k // tile) for k in keys), reverse=True), dtype=torch.float64)
-    s = torch.arange(1, top + 1, dtype=torch.float64)[:, None]
+    lengths = torch.tensor(sorted((-(-k // tile) for k in keys), reverse=True), **f64)
+    s = torch.arange(1, top + 1, **f64)[:, None]
     parts = torch.ceil(lengths / s) + overhead  # [split counts, row tiles], longest first
     ctas_s = (ctas // m_tiles) * s  # CTAs of each row tile's length
     work = (ctas_s * parts).sum(1) / sms
-    longer = torch.arange(1, m_tiles + 1, dtype=torch.float64)  # row tiles at least this long
+    longer = torch.arange(1, m_tiles + 1, **f64)  # row tiles at least this long
     waves = (parts * torch.ceil(ctas_s * longer / sms)).amax(1)
     return int(torch.argmin(torch.maximum(work, waves))) + 1  # the first minimum: the fewest splits
 

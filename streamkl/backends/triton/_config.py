@@ -1,6 +1,7 @@
 """Launch configurations and the two selection rules (split-K forward, fused backward).
 
-Configs are a fixed table keyed on (D1P, D2P, dtype, causal), measured on an H200 with
+Configs are fixed tables keyed on (head-dim bucket, fp32 or not, and causal for the forward or
+both gradient settings for the backward), measured on an H200 with
 benchmarks/triton_tune.py (numbers in docs/triton.md): nothing is tuned at run time, so a
 training loop compiles each specialization once and never re-times anything.
 """
@@ -53,7 +54,7 @@ def _next_pow2(n: int) -> int:
 
 
 # Forward: (max(D1P, D2P) bucket, is fp32, causal) -> Cfg. BLOCK_M shrinks for small Nq at launch.
-# The D <= 128 16-bit rows are the fastest tiles of the H200 sweep at N=8K/16K (docs/triton.md,
+# The D = 128 16-bit rows are the fastest tiles of the H200 sweep at N=8K/16K (docs/triton.md,
 # "Selection rules and configs"): non-causal (128, 64, 8 warps, 3 stages), causal (128, 128, 8, 2).
 # The other rows pass the GPU tests but are not timed; the fp32 ones (true-fp32 dots, no tensor
 # cores) spill registers at D=128 and are slow.

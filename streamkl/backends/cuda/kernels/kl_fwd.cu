@@ -67,8 +67,9 @@
 //   (query head h reads key head h / g); writes kl, lse1, lse2 ([B, H, Nq] float32) of its rows,
 //   kl = 0 and lse = -inf on rows that see no key (splits > 1: part, [splits, rows, 6], rows
 //   B * H * Nq or, TAIL, the split row tiles' rows).
-// A consumer whose 64 rows all lie past Nq (without DECODE: a packed sequence of at most 64 rows)
-//   runs no GEMM and no update, keeping only its barrier duties.
+// A consumer whose 64 rows all lie past Nq (without DECODE: in the last row tile of an input or
+//   packed sequence whose rows end within its first 128) runs no GEMM and no update, keeping only
+//   its barrier duties.
 #include "sm90.cuh"
 
 #ifndef D1P

@@ -37,7 +37,7 @@ KL_DEV void mbar_arrive(unsigned bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
 }
 
-// `count` arrivals at once (count 1: the plain arrive, so builds without a count stay as they were).
+// `count` arrivals at once (count 1 issues the plain arrive, the one-argument form's instruction).
 KL_DEV void mbar_arrive(unsigned bar, unsigned count) {
   if (count == 1)
     mbar_arrive(bar);
