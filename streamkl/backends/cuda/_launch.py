@@ -274,8 +274,8 @@ def splits_for(ctas: int, key_tiles: int, batch: int, sms: int, tile: int, causa
     # every (split count, row tile) at once in float64 on the host, exact for these integers: a
     # long causal grid has thousands of row tiles, and a new packed max_seqlen misses the cache
     f64 = dict(dtype=torch.float64, device="cpu")  # whatever the default device
-    keys = [max(0, min(nk, (m + 1) * bm + nk - nq)) for m in range(m_tiles)]
-    lengths = torch.tensor(sorted((-(-k // tile) for k in keys), reverse=True), **f64)
+    last_first = torch.arange(m_tiles, 0, -1, **f64)  # row tile m + 1, the longest first
+    lengths = torch.ceil((last_first * bm + (nk - nq)).clamp(0, nk) / tile)  # key tiles each sees
     s = torch.arange(1, top + 1, **f64)[:, None]
     parts = torch.ceil(lengths / s) + overhead  # [split counts, row tiles], longest first
     ctas_s = (ctas // m_tiles) * s  # CTAs of each row tile's length

@@ -631,7 +631,7 @@ KL_DEV void consume(const Params& p, const Work& w, int c, int tid, unsigned bas
 #if PINGPONG
   if (c == NWG - 1 && n > 0) named_arrive(1, 256);  // the first turn is warpgroup 0's
 #endif
-  if (r0 >= sp.nq) {  // every row past Nq (a short sequence): barrier duties only, no GEMM or update
+  if (r0 >= sp.nq) {  // every row past Nq (a last row tile's spare rows): barrier duties only
     for (int i = 0; i < n; ++i) {
       // The one thread that releases a stage waits for it: a warp that waited for nothing it
       // reads could fall a whole phase of the ring behind the releases and never see its parity.
