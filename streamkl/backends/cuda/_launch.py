@@ -274,7 +274,7 @@ def splits_for(ctas: int, key_tiles: int, batch: int, sms: int, tile: int, causa
     # every (split count, row tile) at once in float64 on the host, exact for these integers: a
     # long causal grid has thousands of row tiles, and a new packed max_seqlen misses the cache
     f64 = dict(dtype=torch.float64, device="cpu")  # whatever the default device
-    last_first = torch.arange(m_tiles, 0, -1, **f64)  # row tile m + 1, the longest first
+    last_first = torch.arange(m_tiles, 0, -1, **f64)  # m + 1 for row tiles m = m_tiles - 1 .. 0
     lengths = torch.ceil((last_first * bm + (nk - nq)).clamp(0, nk) / tile)  # key tiles each sees
     s = torch.arange(1, top + 1, **f64)[:, None]
     parts = torch.ceil(lengths / s) + overhead  # [split counts, row tiles], longest first
