@@ -3,10 +3,11 @@ while nvidia-smi samples that GPU's SM clock and board power (instantaneous wher
 50 ms, so a rate can be compared at the clock it ran at (the chip lowers its clock when it draws
 more power). Workloads, B=1 H=32 bf16: the bf16 8192^3 GEMM,
 cuDNN's attention forward, cuda_fwd.py variants of the cuda forward (default: the shipped one and
-its no-exponential ablation), the triton forward.
+its no-exponential ablation), the triton forward, and with --mix the bound of
+benchmarks/mix_bound.py (the kernel's tensor work and exponentials with no dependency between them).
 Prints TFLOP/s, the median SM clock, the mean power and FLOP per clock per SM; --json writes it.
 
-    python benchmarks/clocks.py [--seconds 3] [--json out.json]
+    python benchmarks/clocks.py [--seconds 3] [--mix 128,64] [--json out.json]
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import time
 import torch
 
 import streamkl
-from benchmarks import cuda_fwd, sdpa_trick
+from benchmarks import cuda_fwd, mix_bound, sdpa_trick
 from streamkl.testing import make_inputs
 
 # power.draw.instant where nvidia-smi has it (power.draw is a 1 s average on recent GPUs)
@@ -58,8 +59,9 @@ def query(gpu: str) -> list[str]:
     raise SystemExit(f"nvidia-smi cannot sample GPU {gpu}")
 
 
-def workloads(n: int, variants: list[str], dims: list[int]):
-    """(name, TFLOP per call, call) for each workload."""
+def workloads(n: int, variants: list[str], dims: list[int], mix_dims: list[int]):
+    """(name, FLOP per call, call) for each workload; a mix workload counts the attention FLOPs
+    its tensor work stands for, also where it issues none (exponentials alone)."""
     a, b = (torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     out = [("gemm-bf16-8192", 2 * 8192**3, lambda: a @ b)]
     for d in dims:
@@ -77,6 +79,10 @@ def workloads(n: int, variants: list[str], dims: list[int]):
             c = cuda_fwd.consts_for(v, d, d, torch.bfloat16)
             out.append((f"cuda-{v}-d{d}", flops, lambda x=inputs, c=c: cuda_fwd.run_cuda(x, False, c)))
         out.append((f"triton-d{d}", flops, lambda x=inputs: streamkl.attn_kl(*x, backend="triton")))
+    for d in mix_dims:
+        mix = mix_bound.MixBound(d)
+        for name, tensor, exps in mix_bound.MIXES:
+            out.append((f"mix-{name}-d{d}", mix.flops, lambda m=mix, t=tensor, e=exps: m.call(t, e)))
     return out
 
 
@@ -110,6 +116,7 @@ def main(argv=None):
     ap.add_argument("--n", type=int, default=16384, help="sequence length of the attention workloads")
     ap.add_argument("--variants", default="f-3wg64-overlap,x-noexp", help="cuda_fwd.py variants")
     ap.add_argument("--dims", default="128,64", help="head dims of the attention workloads")
+    ap.add_argument("--mix", default="", help="head dims of the mix_bound.py workloads (none by default)")
     ap.add_argument("--json")
     ap.add_argument("--commit", default="?")
     args = ap.parse_args(argv)
@@ -119,8 +126,9 @@ def main(argv=None):
     sampler = query(gpu_id())
     smi = subprocess.Popen(sampler, stdout=log, text=True)
     rows = []
-    dims = [int(d) for d in args.dims.split(",")]
-    for name, flops, fn in workloads(args.n, args.variants.split(","), dims):
+    dims = [int(d) for d in args.dims.split(",") if d]
+    mix_dims = [int(d) for d in args.mix.split(",") if d]
+    for name, flops, fn in workloads(args.n, args.variants.split(","), dims, mix_dims):
         rows.append(run(name, flops, fn, args.seconds))
         time.sleep(0.5)
     smi.terminate()
