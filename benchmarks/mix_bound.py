@@ -4,7 +4,8 @@ an upper bound, at the board's power limit, on what any schedule of that work re
 
 One CTA per SM, 512 threads, `steps` steps. Per step, warpgroup 0 issues the tensor work of one
 64-key tile of the kernel's three consumers (each: S1 with Q from registers, S2 with Q from shared
-memory, `D / 16` wgmma m64n64k16 apiece) as two accumulation chains, one step in flight; warpgroups
+memory, `D / 16` wgmma m64n64k16 apiece; `tensor = 2`: both with Q from registers) as two
+accumulation chains, one step in flight; warpgroups
 1-3 run, per thread, the update of 32 elements (the kernel's per consumer thread and tile) on
 values of their own: with `exps = 2` both sides (per element FFMA, EX2, FADD and two FFMA for S1,
 FFMA, EX2, FADD for S2), with `exps = 1` the S2 side alone (an attention forward's softmax). The
@@ -29,7 +30,7 @@ from streamkl.backends.cuda import _jit
 # kernel's descriptors. Writes one float per thread to out, so no work is dead.
 SOURCE = r"""
 #include "sm90.cuh"
-struct Args { float* out; int steps; int tensor; int exps; };
+struct Args { float* out; int steps; int tensor; int exps; };  // tensor: 0, 1 RS + SS, 2 RS only
 constexpr unsigned TILE = 64 * DP * 2;  // bytes of one 64 x DP bf16 tile
 constexpr int ELEMS = 32;  // elements per thread and step, both sides (the kernel's per tile)
 
@@ -86,6 +87,7 @@ extern "C" __global__ void __launch_bounds__(512, 1) mix_bound(const __grid_cons
 #pragma unroll
       for (int i = 0; i < 32; ++i) s1[i] = 0.f, s2[i] = 0.f;
       const unsigned long long dq = smem_desc(base), dk = smem_desc(base + TILE);
+      const bool rs2 = __shfl_sync(0xffffffffu, a.tensor, 0) == 2;  // S2 with A from registers too
       for (int it = 0; it < a.steps; ++it) {
         wgmma_fence();
 #pragma unroll
@@ -94,9 +96,13 @@ extern "C" __global__ void __launch_bounds__(512, 1) mix_bound(const __grid_cons
           for (int kk = 0; kk < DP / 16; ++kk)
             wgmma_m64n64k16_rs<true>(s1, qa + 4 * kk, smem_desc_add(dk, (kk / 4) * 8192 + (kk % 4) * 32));
 #pragma unroll
-          for (int kk = 0; kk < DP / 16; ++kk)
-            wgmma_m64n64k16<true>(s2, smem_desc_add(dq, (kk / 4) * 8192 + (kk % 4) * 32),
-                                  smem_desc_add(dk, (kk / 4) * 8192 + (kk % 4) * 32));
+          for (int kk = 0; kk < DP / 16; ++kk) {
+            const unsigned long long db = smem_desc_add(dk, (kk / 4) * 8192 + (kk % 4) * 32);
+            if (rs2)  // uniform: the whole warpgroup takes one side
+              wgmma_m64n64k16_rs<true>(s2, qa + 4 * kk, db);
+            else
+              wgmma_m64n64k16<true>(s2, smem_desc_add(dq, (kk / 4) * 8192 + (kk % 4) * 32), db);
+          }
         }
         wgmma_commit();
         wgmma_wait<1>();
@@ -119,7 +125,8 @@ extern "C" __global__ void __launch_bounds__(512, 1) mix_bound(const __grid_cons
 
 class MixBound:
     """The mix kernel at head dim `dp` (64 or 128) on the current GPU: `call(tensor, exps)` runs
-    one launch of `steps` steps on every SM; `flops` is the attention forward's FLOP count the
+    one launch of `steps` steps on every SM (tensor: 0 none, 1 the kernel's operands, 2 both Qs
+    from registers); `flops` is the attention forward's FLOP count the
     launch's tensor work stands for (three consumers' 64 rows x 64 keys x 4 * dp per step)."""
 
     def __init__(self, dp: int, steps: int = 4000):
@@ -136,7 +143,7 @@ class MixBound:
         self.smem = 2 * 64 * dp * 2 + 1024  # under 48 KB: no opt-in needed
         self.flops = self.sms * steps * 3 * 64 * 64 * 4 * dp
 
-    def call(self, tensor: bool, exps: int) -> None:
+    def call(self, tensor: int, exps: int) -> None:
         d = self.driver
         args = struct.pack("<Q3i", self.out.data_ptr(), self.steps, int(tensor), exps)
         buf = ctypes.create_string_buffer(args, 32)
@@ -149,4 +156,12 @@ class MixBound:
 
 
 # (name, tensor work, exponential sides): the bound's workloads for clocks.py
-MIXES = (("tensor", True, 0), ("exp2", False, 2), ("tensor+exp2", True, 2), ("tensor+exp1", True, 1))
+# tensor: 0 none, 1 the kernel's (S1 from registers, S2 from shared memory), 2 both from registers
+MIXES = (
+    ("tensor", 1, 0),
+    ("exp2", 0, 2),
+    ("tensor+exp2", 1, 2),
+    ("tensor+exp1", 1, 1),
+    ("tensor-rs", 2, 0),
+    ("tensor-rs+exp2", 2, 2),
+)
