@@ -1,6 +1,6 @@
 """Check and time the triton backend's variants on one GPU, in one run.
 
-    PYTHONPATH=. python3 benchmarks/triton_tune.py [--parts fwd,ablate,ablate_bwd,split,bwd]
+    PYTHONPATH=. python3 benchmarks/triton_tune.py [--parts fwd,ablate,ablate_bwd,split,bwd,decode_bwd]
 
 A variant is a set of kernel configs, passed to the launchers explicitly (None: the shipped
 table), plus the split-K and backward-strategy settings (STREAMKL_TRITON_SPLIT_K,
@@ -504,6 +504,59 @@ def part_bwd(args, gemm):
     SHIPPED.set_env()
 
 
+def part_decode_bwd(args, gemm):
+    """The backward (dq2, dk2) at decode shapes, Nq in --split-nqs against Nk in --split-nks:
+    the table's tiles as they were (BLOCK_M 128 / 64 at any Nq), BLOCK_M fitted to Nq (shipped),
+    each under the separate and the fused strategy, and fused with 128-key tiles. Times the
+    backward alone; TFLOP/s count its four GEMMs (bwd1)."""
+
+    def variants(nq):
+        bm = max(16, min(64, triton.next_power_of_2(nq)))
+        old = dict(bq=Cfg(128, 64, 8, 3), bk=Cfg(64, 64, 4, 2, qrows=True))
+        return [
+            ("table tiles, separate", Variant.of(**old, bwd="separate")),
+            ("table tiles, fused", Variant.of(**old, bwd="fused")),
+            ("fitted, separate", Variant.of(bwd="separate")),
+            ("fitted, fused", Variant.of(bwd="fused")),
+            ("fitted, fused, 128 keys", Variant.of(bk=Cfg(bm, 128, 4, 2, qrows=True), bwd="fused")),
+            ("shipped rule", SHIPPED),
+        ]
+
+    chk = lambda nq, causal: dict(kind="bwd1", causal=causal, nq=nq, nk=3000)  # noqa: E731
+    jobs = [(v, chk(nq, c)) for nq in args.split_nqs for c in (False, True) for _, v in variants(nq)]
+    prewarm(jobs, args.workers)
+    for nk in args.split_nks:
+        for nq in args.split_nqs:
+            q1, k1, q2, k2 = _inputs(nq, nk, nq)
+            for causal in (False, True):
+                g = torch.randn(B, H, nq, device="cuda")
+                out = run_fwd(SHIPPED, q1, k1, q2, k2, causal)
+                for name, v in variants(nq):
+                    v.set_env()
+                    try:
+                        err = check(v, **chk(nq, causal))
+                        ms = bench(lambda: run_bwd(v, g, q1, k1, q2, k2, out, causal, NEEDS["bwd1"]), 100)  # noqa: B023
+                        tf = flops("bwd1", B, H, nq, nk, D, False) / ms / 1e9
+                        record(
+                            part="decode_bwd",
+                            variant=f"{'causal' if causal else 'full'} {name}",
+                            shape=f"B{B} H{H} Nq{nq} Nk{nk} D{D}",
+                            ms=ms,
+                            tflops=tf,
+                            frac_gemm=tf / gemm,
+                            check=err,
+                            nq=nq,
+                            nk=nk,
+                            causal=causal,
+                            strategy=v.bwd,
+                            cfg_q=cfg_list(v.bq),
+                            cfg_k=cfg_list(v.bk),
+                        )
+                    except Exception as e:  # noqa: BLE001
+                        log(f"decode_bwd {name} nq={nq} nk={nk} FAILED: {type(e).__name__}: {str(e)[:200]}")
+    SHIPPED.set_env()
+
+
 def dump(args, meta):
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "triton_tune.json"), "w") as f:
@@ -563,6 +616,7 @@ def main():
         ("ablate_bwd", part_ablate_bwd),
         ("split", part_split),
         ("bwd", part_bwd),
+        ("decode_bwd", part_decode_bwd),
     ):
         if name in parts:
             try:
