@@ -505,20 +505,25 @@ def part_bwd(args, gemm):
 
 
 def part_decode_bwd(args, gemm):
-    """The backward (dq2, dk2) at decode shapes, Nq in --split-nqs against Nk in --split-nks:
-    the table's tiles as they were (BLOCK_M 128 / 64 at any Nq), BLOCK_M fitted to Nq (shipped),
-    each under the separate and the fused strategy, and fused with 128-key tiles. Times the
-    backward alone; TFLOP/s count its four GEMMs (bwd1)."""
+    """The backward (dq2, dk2) at decode shapes, Nq in --split-nqs against Nk in --split-nks: the
+    table's tiles (BLOCK_M 128 in the dq kernel and 64 in the key-major one at any Nq, shipped)
+    against BLOCK_M fitted to Nq as the forward's (at least 16, 4 warps below 64 rows) in the dq
+    kernel, the key-major kernel or both, under the separate and the fused strategy, and fused
+    with 128-key tiles. Times the backward alone; TFLOP/s count its four GEMMs (bwd1)."""
 
     def variants(nq):
-        bm = max(16, min(64, triton.next_power_of_2(nq)))
-        old = dict(bq=Cfg(128, 64, 8, 3), bk=Cfg(64, 64, 4, 2, qrows=True))
+        bm = max(16, min(128, triton.next_power_of_2(nq)))
+        fit_q = Cfg(bm, 64, 8 if bm >= 64 else 4, 3)
+        fit_k = Cfg(min(bm, 64), 64, 4, 2, qrows=True)
+        table = dict(bq=Cfg(128, 64, 8, 3), bk=Cfg(64, 64, 4, 2, qrows=True))
         return [
-            ("table tiles, separate", Variant.of(**old, bwd="separate")),
-            ("table tiles, fused", Variant.of(**old, bwd="fused")),
-            ("fitted, separate", Variant.of(bwd="separate")),
-            ("fitted, fused", Variant.of(bwd="fused")),
-            ("fitted, fused, 128 keys", Variant.of(bk=Cfg(bm, 128, 4, 2, qrows=True), bwd="fused")),
+            ("table tiles, separate", Variant.of(**table, bwd="separate")),
+            ("table tiles, fused", Variant.of(**table, bwd="fused")),
+            ("dq fitted, separate", Variant.of(bq=fit_q, bk=table["bk"], bwd="separate")),
+            ("key-major fitted, separate", Variant.of(bq=table["bq"], bk=fit_k, bwd="separate")),
+            ("fitted, separate", Variant.of(bq=fit_q, bk=fit_k, bwd="separate")),
+            ("fitted, fused", Variant.of(bq=fit_q, bk=fit_k, bwd="fused")),
+            ("fitted, fused, 128 keys", Variant.of(bk=dataclasses.replace(fit_k, block_n=128), bwd="fused")),
             ("shipped rule", SHIPPED),
         ]
 

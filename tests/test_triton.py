@@ -377,19 +377,6 @@ def test_split_rule():
     assert _config.split_count(4096, 512, 132, 6) == 6
 
 
-def test_bwd_tiles_fit_decode_rows():
-    # the table's rows (BLOCK_M 128 and 64) shrink to Nq, at least 16, with 4 warps below 64
-    # rows, as the forward's do; explicit configs (benchmarks/triton_tune.py) stay as given
-    table = _config.bwd_cfgs(128, 128, torch.bfloat16, False, False)
-    for nq, (bq, bk) in {1: (16, 16), 16: (16, 16), 40: (64, 64), 100: (128, 64), 4096: (128, 64)}.items():
-        cq, ck = _config.bwd_cfgs(128, 128, torch.bfloat16, False, False, nq=nq)
-        assert (cq.block_m, ck.block_m) == (bq, bk)
-        assert (cq.block_n, ck.block_n, ck.qrows) == (table[0].block_n, table[1].block_n, table[1].qrows)
-        assert cq.num_warps == (4 if bq < 64 else table[0].num_warps)
-    given = (_config.Cfg(128, 64, 8, 3), None)
-    assert _config.bwd_cfgs(128, 128, torch.bfloat16, False, False, cfgs=given, nq=1)[0] == given[0]
-
-
 def test_bwd_rule():
     from streamkl.backends.triton import _launch
 

@@ -8,7 +8,6 @@ training loop compiles each specialization once and never re-times anything.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -136,31 +135,17 @@ def bwd_cfgs(
     interpret: bool,
     both: bool = False,
     cfgs: tuple[Cfg | None, Cfg | None] | None = None,
-    nq: int | None = None,
 ) -> tuple[Cfg, Cfg]:
     """(dq kernel, key-major kernel) configs; `both`: gradients of both settings requested.
-    The table's entries get a BLOCK_M fitted to `nq`, the query rows per grid slot, as the
-    forward's do; `cfgs` (benchmarks/triton_tune.py's variants) replaces either entry that is not
-    None, as given."""
+    `cfgs` (benchmarks/triton_tune.py's variants) replaces either table entry that is not None."""
     if interpret:
         q, k = INTERPRET_CFG, INTERPRET_BWD_K_CFG
     else:
         key = (*_key(d1p, d2p, dtype), bool(both))
         q, k = _BWD_Q[key], _BWD_K[key]
-    if nq is not None:
-        q, k = _fit_rows(q, nq), _fit_rows(k, nq)
     if cfgs is not None:
         q, k = cfgs[0] or q, cfgs[1] or k
     return q, k
-
-
-def _fit_rows(cfg: Cfg, nq: int) -> Cfg:
-    """Decode-sized Nq: a BLOCK_M no larger than Nq (at least 16, tl.dot's minimum), 4 warps
-    below 64 rows."""
-    bm = max(16, min(cfg.block_m, _next_pow2(nq)))
-    if bm == cfg.block_m:
-        return cfg
-    return dataclasses.replace(cfg, block_m=bm, num_warps=cfg.num_warps if bm >= 64 else 4)
 
 
 def split_count(n_ctas: int, nk_tiles: int, num_sms: int, forced: int | None, block_m: int = 128) -> int:

@@ -308,7 +308,7 @@ def bwd_plan(
     need_dq1, need_dk1, need_dq2, need_dk2 = needs
     D1P, D2P = pow2_dim(D1), pow2_dim(D2)
     both = (need_dq1 or need_dk1) and (need_dq2 or need_dk2)
-    cq, ck = _config.bwd_cfgs(D1P, D2P, dtype, causal, device.type != "cuda", both, cfgs, rows)
+    cq, ck = _config.bwd_cfgs(D1P, D2P, dtype, causal, device.type != "cuda", both, cfgs)
     dims = dict(D1=D1, D2=D2, D1P=D1P, D2P=D2P, CAUSAL=causal, VARLEN=varlen, PREC=_prec(dtype))
     if strategy == "auto":
         strategy = choose_bwd(zdim, H, rows, nk, g1, g2, needs, cq, ck, _num_sms(device))
