@@ -162,11 +162,13 @@ NEEDS = {
 }
 
 
-def check(variant, kind, causal, nq, nk, dtype=torch.bfloat16, d=128, h=4, seed=None):
-    """Max error / budget ratio (<= 1 passes) of `variant` on fresh data (its env settings set)."""
+def check(variant, kind, causal, nq, nk, dtype=torch.bfloat16, d=128, h=4, seed=None, groups=(2, 4)):
+    """Max error / budget ratio (<= 1 passes) of `variant` on fresh data (its env settings set).
+    groups: query heads per key head of each side (default GQA 2 and 4: two key-major launches)."""
     seed = int(time.time_ns() % 2**31) if seed is None else seed
+    hk1, hk2 = max(1, h // groups[0]), max(1, h // groups[1])
     q1, k1, q2, k2 = make_inputs(
-        b=1, h=h, nq=nq, nk=nk, d1=d, d2=d, hk1=h // 2, hk2=h // 4 or 1, dtype=dtype, device="cuda", seed=seed
+        b=1, h=h, nq=nq, nk=nk, d1=d, d2=d, hk1=hk1, hk2=hk2, dtype=dtype, device="cuda", seed=seed
     )
     kl, l1, l2 = run_fwd(variant, q1, k1, q2, k2, causal)
     ref_in = [t.detach().double().requires_grad_() for t in (q1, k1, q2, k2)]
@@ -509,12 +511,15 @@ def part_decode_bwd(args, gemm):
     table's tiles (BLOCK_M 128 in the dq kernel and 64 in the key-major one at any Nq, shipped)
     against BLOCK_M fitted to Nq as the forward's (at least 16, 4 warps below 64 rows) in the dq
     kernel, the key-major kernel or both, under the separate and the fused strategy, and fused
-    with 128-key tiles. Times the backward alone; TFLOP/s count its four GEMMs (bwd1)."""
+    with 128-key tiles or keys x queries tiles (no dS^T through shared memory). Checks each on
+    setting 1 with GQA and three times on both settings with one launch for dk1 and dk2; times the
+    backward of setting 1 alone; TFLOP/s count its four GEMMs (bwd1)."""
 
     def variants(nq):
         bm = max(16, min(128, triton.next_power_of_2(nq)))
         fit_q = Cfg(bm, 64, 8 if bm >= 64 else 4, 3)
         fit_k = Cfg(min(bm, 64), 64, 4, 2, qrows=True)
+        fit_kq = dataclasses.replace(fit_k, qrows=False)  # dS^T to the dk GEMM from registers
         table = dict(bq=Cfg(128, 64, 8, 3), bk=Cfg(64, 64, 4, 2, qrows=True))
         return [
             ("table tiles, separate", Variant.of(**table, bwd="separate")),
@@ -524,10 +529,15 @@ def part_decode_bwd(args, gemm):
             ("fitted, separate", Variant.of(bq=fit_q, bk=fit_k, bwd="separate")),
             ("fitted, fused", Variant.of(bq=fit_q, bk=fit_k, bwd="fused")),
             ("fitted, fused, 128 keys", Variant.of(bk=dataclasses.replace(fit_k, block_n=128), bwd="fused")),
+            ("fitted, keys x queries, separate", Variant.of(bq=fit_q, bk=fit_kq, bwd="separate")),
+            ("fitted, keys x queries, fused", Variant.of(bq=fit_q, bk=fit_kq, bwd="fused")),
             ("shipped rule", SHIPPED),
         ]
 
     chk = lambda nq, causal: dict(kind="bwd1", causal=causal, nq=nq, nk=3000)  # noqa: E731
+    # all four gradients with one key head per query head (one key-major launch forms dk1 and
+    # dk2): the case whose dk1 came out wrong at 16-row key-major tiles (docs/triton.md)
+    chk_all = lambda nq, causal: dict(kind="bwd12", causal=causal, nq=nq, nk=4096, h=8, groups=(1, 1))  # noqa: E731
     jobs = [(v, chk(nq, c)) for nq in args.split_nqs for c in (False, True) for _, v in variants(nq)]
     prewarm(jobs, args.workers)
     for nk in args.split_nks:
@@ -539,7 +549,9 @@ def part_decode_bwd(args, gemm):
                 for name, v in variants(nq):
                     v.set_env()
                     try:
-                        err = check(v, **chk(nq, causal))
+                        errs = [check(v, **chk(nq, causal))]
+                        errs += [check(v, **chk_all(nq, causal)) for _ in range(3)]
+                        err = max(errs)
                         ms = bench(lambda: run_bwd(v, g, q1, k1, q2, k2, out, causal, NEEDS["bwd1"]), 100)  # noqa: B023
                         tf = flops("bwd1", B, H, nq, nk, D, False) / ms / 1e9
                         record(
