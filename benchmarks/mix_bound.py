@@ -1,16 +1,16 @@
 """The cuda forward's work per key tile with nothing tying its tensor work to its exponentials:
 an upper bound, at the board's power limit, on what any schedule of that work reaches
-(docs/cuda.md, "Against the targets").
+(docs/cuda.md, "The bound of the work itself").
 
 One CTA per SM, 512 threads, `steps` steps. Per step, warpgroup 0 issues the tensor work of one
 64-key tile of the kernel's three consumers (each: S1 with Q from registers, S2 with Q from shared
 memory, `D / 16` wgmma m64n64k16 apiece; `tensor = 2`: both with Q from registers) as two
-accumulation chains, one step in flight; warpgroups
-1-3 run, per thread, the update of 32 elements (the kernel's per consumer thread and tile) on
-values of their own: with `exps = 2` both sides (per element FFMA, EX2, FADD and two FFMA for S1,
-FFMA, EX2, FADD for S2), with `exps = 1` the S2 side alone (an attention forward's softmax). The
-two loops share no data, so the tensor pipe and the exponential unit overlap as far as the chip
-lets them. `clocks.py --mix` times them beside the kernels and reads the clock and power.
+accumulation chains, one step in flight; warpgroups 1-3 run, per thread, the update of 32
+elements (the kernel's per consumer thread and tile) on values of their own: with `exps = 2` both
+sides (per element FFMA, EX2, FADD and two FFMA for S1, FFMA, EX2, FADD for S2), with `exps = 1`
+the S2 side alone (an attention forward's softmax). The two loops share no data, so the tensor
+pipe and the exponential unit overlap as far as the chip lets them. `clocks.py --mix` times them
+beside the kernels and reads the clock and power.
 
     python benchmarks/clocks.py --mix 128
 """
@@ -126,15 +126,14 @@ extern "C" __global__ void __launch_bounds__(512, 1) mix_bound(const __grid_cons
 class MixBound:
     """The mix kernel at head dim `dp` (64 or 128) on the current GPU: `call(tensor, exps)` runs
     one launch of `steps` steps on every SM (tensor: 0 none, 1 the kernel's operands, 2 both Qs
-    from registers); `flops` is the attention forward's FLOP count the
-    launch's tensor work stands for (three consumers' 64 rows x 64 keys x 4 * dp per step)."""
+    from registers); `flops` is the attention forward's FLOP count the launch's tensor work
+    stands for (three consumers' 64 rows x 64 keys x 4 * dp per step)."""
 
     def __init__(self, dp: int, steps: int = 4000):
         from cuda.bindings import driver
 
         self.driver, self.steps = driver, steps
         build = _jit.compile_kernel(SOURCE, "mix_bound", {"DP": dp})
-        self.build = build
         kernel = _jit.load(build, torch.cuda.current_device()).handle
         self.kernel = kernel if isinstance(kernel, driver.CUkernel) else driver.CUkernel(int(kernel))
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
