@@ -538,7 +538,9 @@ def part_decode_bwd(args, gemm):
     # all four gradients with one key head per query head (one key-major launch forms dk1 and
     # dk2): the case whose dk1 came out wrong at 16-row key-major tiles (docs/triton.md)
     chk_all = lambda nq, causal: dict(kind="bwd12", causal=causal, nq=nq, nk=4096, h=8, groups=(1, 1))  # noqa: E731
-    jobs = [(v, chk(nq, c)) for nq in args.split_nqs for c in (False, True) for _, v in variants(nq)]
+    checks = (chk, chk_all)  # their specializations differ (GQA, both settings): compile both
+    cases = [(nq, m) for nq in args.split_nqs for m in (False, True)]
+    jobs = [(v, c(nq, m)) for nq, m in cases for _, v in variants(nq) for c in checks]
     prewarm(jobs, args.workers)
     for nk in args.split_nks:
         for nq in args.split_nqs:
