@@ -1,0 +1,52 @@
+"""What a backend provides for an op: the protocol the type checker and the conformance suite
+(tests/test_backends.py) hold every backend to.
+
+A backend is a package under streamkl/backends/ (the reference lives in streamkl/reference/)
+with one attribute per op it implements, named as the op (`attn_kl`), and one line in
+streamkl._dispatch.BACKENDS. Importing the package needs torch alone: its optional dependency
+(triton, cuda-python) is imported inside `forward` / `backward` and probed by `supports`.
+
+Inputs arrive validated (streamkl._checks): shapes, dtypes and devices agree, the spec's
+scales are floats and, for packed sequences, `max_seqlen` is a host int at least the longest
+sequence. Any strides: a backend must not copy whole inputs.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+from torch import Tensor
+
+from ._spec import AttnKLGrads, AttnKLInputs, AttnKLSpec, AttnKLStats
+
+
+@runtime_checkable
+class AttnKLBackend(Protocol):
+    """attn_kl on one backend."""
+
+    # The backend whose `backward` serves this one's forward (None: its own). A backend without
+    # a backward of its own admits in `supports` only inputs that one runs too, and its forward
+    # writes the statistics that one reads.
+    backward_backend: str | None
+
+    def supports(self, spec: AttnKLSpec, inputs: AttnKLInputs) -> str | None:
+        """None when this backend can run the call, else the reason it cannot."""
+        ...
+
+    def auto_declines(self, spec: AttnKLSpec, inputs: AttnKLInputs) -> str | None:
+        """Why `auto` passes this backend by on a call it supports (measured slower there than
+        the next backend in BACKENDS), or None. A named backend still runs such calls."""
+        ...
+
+    def forward(self, spec: AttnKLSpec, inputs: AttnKLInputs) -> AttnKLStats | tuple[Tensor, Tensor, Tensor]:
+        """(kl, lse1, lse2), each (B, H, Nq) float32 (float64 for float64 inputs), fresh and
+        contiguous; rows that see no key: kl = 0, lse = -inf."""
+        ...
+
+    def backward(
+        self, spec: AttnKLSpec, inputs: AttnKLInputs, stats: AttnKLStats, grad_kl: Tensor
+    ) -> AttnKLGrads | tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None]:
+        """(dq1, dk1, dq2, dk2) for grad_kl (B, H, Nq) in the stats' dtype, contiguous; the
+        gradients spec.needs asks for have their input's shape and dtype (contiguous), the
+        others are None."""
+        ...
