@@ -4,8 +4,8 @@ Importing streamkl registers torch.ops.streamkl.attn_kl and needs torch alone; t
 cuda-python are imported only when their backend runs.
 """
 
-from ._dispatch import BACKENDS, available_backends
-from .api import attn_kl
+from ._dispatch import BACKENDS
+from .api import attn_kl, available_backends
 
 __all__ = ["BACKENDS", "attn_kl", "available_backends"]
 __version__ = "0.1.0"

@@ -2,8 +2,9 @@
 (tests/test_backends.py) hold every backend to.
 
 A backend is a package under streamkl/backends/ (the reference lives in streamkl/reference/)
-with one attribute per op it implements, named as the op (`attn_kl`), and one line in
-streamkl._dispatch.BACKENDS. Importing the package needs torch alone: its optional dependency
+with one module per op it implements, named as the op (`<backend>/attn_kl.py`) and imported by
+the package, and one line in streamkl._dispatch.BACKENDS. The module itself is the
+implementation: its functions and constants are the protocol's members. Importing the package needs torch alone: its optional dependency
 (triton, cuda-python) is imported inside `forward` / `backward` and probed by `supports`.
 
 Inputs arrive validated (streamkl._checks): shapes, dtypes and devices agree, the spec's
@@ -24,6 +25,7 @@ from ._spec import AttnKLGrads, AttnKLInputs, AttnKLSpec, AttnKLStats
 class AttnKLBackend(Protocol):
     """attn_kl on one backend."""
 
+    op: str  # "attn_kl"
     # The backend whose `backward` serves this one's forward (None: its own). A backend without
     # a backward of its own admits in `supports` only inputs that one runs too, and its forward
     # writes the statistics that one reads.

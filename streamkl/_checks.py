@@ -5,25 +5,49 @@ from __future__ import annotations
 
 import math
 import weakref
-from typing import NamedTuple
 
 import torch
+
+from ._spec import AttnKLSpec
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 REDUCTIONS = ("none", "sum", "mean")
 
+# (batch, heads, heads_kv1, heads_kv2, nq, nk, d1, d2) of one call, read off validated inputs.
+Sizes = tuple[int, int, int, int, int, int, int, int]
 
-class Problem(NamedTuple):
-    """Sizes of one call, read off validated inputs."""
 
-    batch: int
-    heads: int
-    heads_kv1: int
-    heads_kv2: int
-    nq: int
-    nk: int
-    d1: int
-    d2: int
+def attn_kl_spec(
+    q1, k1, q2, k2, *, causal, scale1, scale2, cu_seqlens=None, max_seqlen=None, read_offsets=True
+) -> AttnKLSpec:
+    """Validates one attn_kl call and builds its spec (docs/contract.md, Errors).
+
+    read_offsets: read cu_seqlens on the host (once per tensor, cached) to resolve max_seqlen;
+    False for fake or traced calls, which validate metadata only and launch nothing."""
+    sizes = check_inputs(q1, k1, q2, k2, cu_seqlens, max_seqlen)
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    scale1 = resolve_scale(scale1, sizes[6], "scale1")
+    scale2 = resolve_scale(scale2, sizes[7], "scale2")
+    if cu_seqlens is None:
+        return AttnKLSpec(*sizes, causal, scale1, scale2, sizes[0], None, False)
+    if read_offsets:
+        max_seqlen = resolve_max_seqlen(cu_seqlens, max_seqlen, sizes[4])
+    return AttnKLSpec(*sizes, causal, scale1, scale2, cu_seqlens.shape[0] - 1, max_seqlen, True)
+
+
+def attn_kl_spec_of_saved(q1, k1, q2, k2, *, causal, scale1, scale2, cu_seqlens, max_seqlen) -> AttnKLSpec:
+    """The spec of a call attn_kl_spec validated before (the compiled backward's saved inputs):
+    no rule re-checked; packed offsets come from the cache the forward filled."""
+    b, h, nq, d1 = q1.shape
+    hk1, nk = k1.shape[1], k1.shape[2]
+    hk2, d2 = k2.shape[1], q2.shape[3]
+    if cu_seqlens is None:
+        return AttnKLSpec(b, h, hk1, hk2, nq, nk, d1, d2, causal, scale1, scale2, b, None, False)
+    max_seqlen = resolve_max_seqlen(cu_seqlens, max_seqlen, nq)
+    return AttnKLSpec(
+        b, h, hk1, hk2, nq, nk, d1, d2, causal, scale1, scale2, cu_seqlens.shape[0] - 1, max_seqlen, True
+    )
 
 
 def check_reduction(reduction: str) -> None:
@@ -31,7 +55,7 @@ def check_reduction(reduction: str) -> None:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
 
 
-def check_inputs(q1, k1, q2, k2, cu_seqlens=None, max_seqlen=None) -> Problem:
+def check_inputs(q1, k1, q2, k2, cu_seqlens=None, max_seqlen=None) -> Sizes:
     """Shapes, dtypes and devices. Metadata only: safe on fake tensors and under tracing."""
     if cu_seqlens is None and max_seqlen is None:
         problem = _valid_dense(q1, k1, q2, k2)
@@ -40,7 +64,7 @@ def check_inputs(q1, k1, q2, k2, cu_seqlens=None, max_seqlen=None) -> Problem:
     return _check_each_rule(q1, k1, q2, k2, cu_seqlens, max_seqlen)
 
 
-def _check_each_rule(q1, k1, q2, k2, cu_seqlens, max_seqlen) -> Problem:
+def _check_each_rule(q1, k1, q2, k2, cu_seqlens, max_seqlen) -> Sizes:
     """check_inputs rule by rule: the first one broken raises, naming the argument."""
     names = ("q1", "k1", "q2", "k2")
     tensors = (q1, k1, q2, k2)
@@ -87,11 +111,11 @@ def _check_each_rule(q1, k1, q2, k2, cu_seqlens, max_seqlen) -> Problem:
             raise ValueError(f"max_seqlen must be a non-negative int, got {max_seqlen!r}")
     elif max_seqlen is not None:
         raise ValueError("max_seqlen is only meaningful with cu_seqlens")
-    return Problem(b, h, k1.shape[1], k2.shape[1], nq, nk, q1.shape[-1], q2.shape[-1])
+    return (b, h, k1.shape[1], k2.shape[1], nq, nk, q1.shape[-1], q2.shape[-1])
 
 
-def _valid_dense(q1, k1, q2, k2) -> Problem | None:
-    """The Problem of a valid call without packed sequences in one pass over the metadata, or
+def _valid_dense(q1, k1, q2, k2) -> Sizes | None:
+    """The sizes of a valid call without packed sequences in one pass over the metadata, or
     None: then check_inputs walks every rule and names what is wrong."""
     Tensor = torch.Tensor
     if not (
@@ -128,7 +152,7 @@ def _valid_dense(q1, k1, q2, k2) -> Problem | None:
         and q2.dtype in _DTYPES
         and q1.device == k1.device == q2.device == k2.device
     )
-    return Problem(b, h, hk1, hk2, nq, nk, d1, d2) if valid else None
+    return (b, h, hk1, hk2, nq, nk, d1, d2) if valid else None
 
 
 def _check_cu_seqlens_meta(cu_seqlens, b, nq, nk, device) -> None:
@@ -152,9 +176,9 @@ def _check_cu_seqlens_meta(cu_seqlens, b, nq, nk, device) -> None:
         )
 
 
-def _read_cu_seqlens(cu_seqlens, total: int) -> int:
+def _read_cu_seqlens(cu_seqlens, total: int) -> tuple[list[int], int]:
     """Reads cu_seqlens (one host sync): starts at 0, never decreases, ends at the total length.
-    Returns the longest sequence."""
+    Returns the offsets and the longest sequence."""
     offsets = cu_seqlens.tolist()
     if offsets[0] != 0:
         raise ValueError(f"cu_seqlens must start at 0, got {offsets[0]}")
@@ -163,12 +187,39 @@ def _read_cu_seqlens(cu_seqlens, total: int) -> int:
         raise ValueError(f"cu_seqlens must be non-decreasing, got {offsets}")
     if offsets[-1] != total:
         raise ValueError(f"cu_seqlens must end at the total length {total}, got {offsets[-1]}")
-    return max(lengths)
+    return offsets, max(lengths)
 
 
-# id(cu_seqlens) -> (weak reference, version counter, longest sequence) of offsets already read,
-# so that a packed batch reused across layers, and every backward, never sync again.
-_CHECKED_OFFSETS: dict[int, tuple[weakref.ref, int, int]] = {}
+# id(cu_seqlens) -> (weak reference, version counter, offsets, longest sequence) of offsets
+# already read, so that a packed batch reused across layers, and every backward, never sync again.
+_CHECKED_OFFSETS: dict[int, tuple[weakref.ref, int, list[int], int]] = {}
+
+
+def _cached(cu_seqlens):
+    """The cache entry of cu_seqlens if its offsets were read and have not changed since, else None.
+    Inference tensors keep no version counter, so an in-place change would go unseen: never cached."""
+    if cu_seqlens.is_inference():
+        return None
+    entry = _CHECKED_OFFSETS.get(id(cu_seqlens))
+    if entry is not None and entry[0]() is cu_seqlens and entry[1] == cu_seqlens._version:
+        return entry
+    return None
+
+
+def _read_and_cache(cu_seqlens, total: int) -> tuple[list[int], int]:
+    offsets, longest = _read_cu_seqlens(cu_seqlens, total)
+    if not cu_seqlens.is_inference():
+        key = id(cu_seqlens)
+        _CHECKED_OFFSETS[key] = (weakref.ref(cu_seqlens), cu_seqlens._version, offsets, longest)
+        weakref.finalize(cu_seqlens, _CHECKED_OFFSETS.pop, key, None)
+    return offsets, longest
+
+
+def packed_offsets(cu_seqlens, total: int) -> list[int]:
+    """The offsets of a validated cu_seqlens (packing `total` tokens) as host ints: read once,
+    then from the cache."""
+    entry = _cached(cu_seqlens)
+    return entry[2] if entry is not None else _read_and_cache(cu_seqlens, total)[0]
 
 
 def resolve_max_seqlen(cu_seqlens, max_seqlen: int | None, total: int) -> int | None:
@@ -180,12 +231,9 @@ def resolve_max_seqlen(cu_seqlens, max_seqlen: int | None, total: int) -> int | 
     (docs/contract.md, Packed sequences)."""
     if cu_seqlens is None:
         return None
-    key = id(cu_seqlens)
-    # Inference tensors keep no version counter, so an in-place change would go unseen: re-read.
-    version = None if cu_seqlens.is_inference() else cu_seqlens._version
-    entry = _CHECKED_OFFSETS.get(key)
-    if entry is not None and version is not None and entry[0]() is cu_seqlens and entry[1] == version:
-        longest = entry[2]
+    entry = _cached(cu_seqlens)
+    if entry is not None:
+        longest = entry[3]
     elif cu_seqlens.is_cuda and torch.cuda.is_current_stream_capturing():
         if max_seqlen is None:
             raise ValueError(
@@ -194,10 +242,7 @@ def resolve_max_seqlen(cu_seqlens, max_seqlen: int | None, total: int) -> int | 
             )
         return max_seqlen
     else:
-        longest = _read_cu_seqlens(cu_seqlens, total)
-        if version is not None:
-            _CHECKED_OFFSETS[key] = (weakref.ref(cu_seqlens), version, longest)
-            weakref.finalize(cu_seqlens, _CHECKED_OFFSETS.pop, key, None)
+        longest = _read_and_cache(cu_seqlens, total)[1]
     if max_seqlen is None:
         return longest
     if max_seqlen < longest:
@@ -208,21 +253,6 @@ def resolve_max_seqlen(cu_seqlens, max_seqlen: int | None, total: int) -> int | 
     return max_seqlen
 
 
-def check_options(causal, scale1, scale2, reduction, d1: int, d2: int) -> tuple[float, float]:
-    """The non-tensor arguments of a call; returns the resolved scales."""
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    check_reduction(reduction)
-    return resolve_scale(scale1, d1, "scale1"), resolve_scale(scale2, d2, "scale2")
-
-
-def check_call(q1, k1, q2, k2, *, causal, scale1, scale2, reduction, cu_seqlens, max_seqlen):
-    """Everything checkable from metadata for one public call: (problem, scale1, scale2)."""
-    problem = check_inputs(q1, k1, q2, k2, cu_seqlens, max_seqlen)
-    scale1, scale2 = check_options(causal, scale1, scale2, reduction, problem.d1, problem.d2)
-    return problem, scale1, scale2
-
-
 def resolve_scale(scale, head_dim: int, name: str) -> float:
     if scale is None:
         return 1.0 / math.sqrt(head_dim)
@@ -231,13 +261,3 @@ def resolve_scale(scale, head_dim: int, name: str) -> float:
     if not math.isfinite(scale):
         raise ValueError(f"{name} must be finite, got {scale}")
     return float(scale)
-
-
-def visible_rows(problem: Problem, causal: bool, varlen: bool) -> int:
-    """How many (b, h, i) rows see at least one key: the divisor of reduction='mean'."""
-    if problem.nk == 0:
-        return 0
-    rows = problem.nq
-    if causal and not varlen:  # bottom-right: row i sees keys j <= i + Nk - Nq
-        rows = min(problem.nq, problem.nk)
-    return problem.batch * problem.heads * rows

@@ -1,6 +1,6 @@
-"""Backend choice. An explicitly named backend never falls back silently: if it cannot run the
-inputs it raises, saying why and which backends can. `auto` takes the fastest that can and so
-never fails where the reference could run (docs/contract.md, Backends)."""
+"""Backend choice, for every op. An explicitly named backend never falls back silently: if it
+cannot run the call it raises, saying why and which backends can. `auto` takes the fastest that
+can and so never fails where the reference could run (docs/contract.md, Backends)."""
 
 from __future__ import annotations
 
@@ -8,15 +8,14 @@ import importlib
 
 from . import _env
 
-# The one list of backends, fastest first: the order auto tries them in. A new backend is a
-# package with supports/forward/backward (streamkl/backends/__init__.py) and a line here.
+# The one list of backends, fastest first: the order auto tries them in. A backend is a package
+# with one module per op it implements, named as the op (streamkl/_backend.py), and a line here.
 BACKENDS = {
     "cuda": "streamkl.backends.cuda",
     "triton": "streamkl.backends.triton",
     "reference": "streamkl.reference",
 }
 CHOICES = ("auto", *BACKENDS)
-
 
 _MODULES: dict = {}
 
@@ -29,37 +28,25 @@ def module(name: str):
     return found
 
 
-def backward_of(backend):
-    """The module whose `backward` serves `backend`'s forward: a backend whose own backward does
-    not exist yet names another in BACKWARD (its `supports` then admits only inputs that one
-    runs too, and its forward writes the statistics that one reads)."""
-    name = getattr(backend, "BACKWARD", None)
-    return backend if name is None else module(name)
+def implementation(name: str, op: str):
+    """Backend `name`'s implementation of `op` (streamkl/_backend.py), or None if it has none."""
+    return getattr(module(name), op, None)
 
 
-def auto_declines(name: str, q1, k1, q2, k2, cu_seqlens=None) -> str | None:
-    """Why `auto` passes backend `name` by on inputs it supports, or None: a backend that is
-    measured slower than the next one on part of what it runs says where in `auto_declines`
-    (it still runs those inputs when named)."""
+def why_not(name: str, op: str, spec, inputs) -> str | None:
+    """None when backend `name` can run this call of `op`, else the reason."""
     try:
-        declines = getattr(module(name), "auto_declines", None)
-    except ImportError:  # a backend package missing from this install: why_not says so
-        return None
-    return None if declines is None else declines(q1, k1, q2, k2, cu_seqlens)
-
-
-def why_not(name: str, q1, k1, q2, k2, cu_seqlens=None) -> str | None:
-    """None when backend `name` can run these inputs, else the reason."""
-    try:
-        backend = module(name)
+        impl = implementation(name, op)
     except ImportError as exc:  # a backend package missing from this install
         return f"it could not be imported ({exc})"
-    return backend.supports(q1, k1, q2, k2, cu_seqlens)
+    if impl is None:
+        return f"it does not implement {op}"
+    return impl.supports(spec, inputs)
 
 
-def available_backends(q1, k1, q2, k2, cu_seqlens=None) -> dict[str, str | None]:
-    """Backend name -> None if it can run these inputs, else why not."""
-    return {name: why_not(name, q1, k1, q2, k2, cu_seqlens) for name in BACKENDS}
+def available(op: str, spec, inputs) -> dict[str, str | None]:
+    """Backend name -> None if it can run this call of `op`, else why not."""
+    return {name: why_not(name, op, spec, inputs) for name in BACKENDS}
 
 
 def check_name(backend: str | None) -> str:
@@ -78,26 +65,36 @@ def check_name(backend: str | None) -> str:
     return backend
 
 
-def first_for_auto(q1, k1, q2, k2, cu_seqlens=None):
-    """The first backend in BACKENDS that runs these inputs and does not decline them."""
-    inputs = (q1, k1, q2, k2, cu_seqlens)
+def first_for_auto(op: str, spec, inputs):
+    """The implementation of the first backend in BACKENDS that runs the call and does not
+    decline it (a backend measured slower than the next one on part of what it runs says where
+    in its `auto_declines`)."""
     for name in BACKENDS:
-        if why_not(name, *inputs) is None and auto_declines(name, *inputs) is None:
-            return module(name)
-    raise AssertionError("the reference backend runs every validated input")
+        if why_not(name, op, spec, inputs) is None:
+            impl = implementation(name, op)
+            if impl.auto_declines(spec, inputs) is None:
+                return impl
+    raise AssertionError("the reference backend runs every validated call")
 
 
-def select(q1, k1, q2, k2, cu_seqlens=None, backend: str | None = None):
-    """The backend module to run; `backend` overrides STREAMKL_BACKEND."""
+def select(op: str, spec, inputs, backend: str | None = None):
+    """The implementation of `op` to run; `backend` overrides STREAMKL_BACKEND."""
     name = check_name(backend)
     if name == "auto":
-        if q1.device.type == "cpu":  # triton runs CPU tensors only in its (slow) interpreter
-            return module("reference")
-        return first_for_auto(q1, k1, q2, k2, cu_seqlens)
-    reason = why_not(name, q1, k1, q2, k2, cu_seqlens)
+        if inputs[0].device.type == "cpu":  # triton runs CPU tensors only in its (slow) interpreter
+            return implementation("reference", op)
+        return first_for_auto(op, spec, inputs)
+    reason = why_not(name, op, spec, inputs)
     if reason is not None:
-        able = [n for n, r in available_backends(q1, k1, q2, k2, cu_seqlens).items() if r is None]
+        able = [n for n, r in available(op, spec, inputs).items() if r is None]
         raise ValueError(
             f"backend {name!r} cannot run these inputs: {reason}. Backends that can: {', '.join(able)}"
         )
-    return module(name)
+    return implementation(name, op)
+
+
+def backward_of(impl):
+    """The implementation whose `backward` serves `impl`'s forward: itself, or the backend it
+    names in `backward_backend` (a backend without a backward of its own yet)."""
+    name = impl.backward_backend
+    return impl if name is None else implementation(name, impl.op)

@@ -1,11 +1,7 @@
-"""Pure-PyTorch backend, chunked over query rows: memory O(chunk * Nk), never O(Nq * Nk).
+"""Pure-PyTorch backend: runs anywhere torch runs (CPU included) and imports nothing optional.
+Each op is chunked over query rows, so its memory is O(chunk * Nk), never O(Nq * Nk), and computes
+the explicit formulas of docs/contract.md, not autograd through a materialized softmax."""
 
-Runs anywhere torch runs (CPU included) and imports nothing optional. Forward and backward are
-the explicit formulas of docs/contract.md, Definition and Gradients, not autograd through a
-materialized softmax. The default chunk keeps the working set of a forward+backward within the
-two dense Nq x Nk matrices, and one chunk's temporaries within 256 MiB (docs/contract.md, Memory).
-"""
+from . import attn_kl
 
-from .chunked import backward, forward, supports
-
-__all__ = ["backward", "forward", "supports"]
+__all__ = ["attn_kl"]

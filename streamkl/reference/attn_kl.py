@@ -1,4 +1,5 @@
-"""The reference computation. For each chunk of query rows (all batches and heads at once):
+"""attn_kl on the reference backend (streamkl/_backend.py's protocol). For each chunk of query
+rows (all batches and heads at once):
 
     S_t = scale_t * q_t[rows] @ k_t^T                         (masked to the visible keys)
     log P_t = (S_t - max S_t) - log sum exp(S_t - max S_t);  LSE_t = max S_t + log sum ...
@@ -23,7 +24,11 @@ import math
 
 import torch
 
-from .. import _env
+from .. import _checks, _env
+from .._spec import AttnKLGrads, AttnKLInputs, AttnKLSpec, AttnKLStats, causal_offset
+
+op = "attn_kl"
+backward_backend = None
 
 # The most bytes one chunk's temporaries take when STREAMKL_REFERENCE_CHUNK is not set.
 _CHUNK_BYTES = 256 << 20
@@ -32,8 +37,12 @@ _CHUNK_BYTES = 256 << 20
 _LIVE_CHUNK_TEMPS = 3
 
 
-def supports(q1, k1, q2, k2, cu_seqlens=None) -> str | None:
+def supports(spec: AttnKLSpec, inputs: AttnKLInputs) -> str | None:
     return None  # every dtype, every device
+
+
+def auto_declines(spec: AttnKLSpec, inputs: AttnKLInputs) -> str | None:
+    return None  # the last backend auto tries
 
 
 def _compute_dtype(q1, q2):
@@ -69,7 +78,7 @@ def _segments(cu_seqlens, nq):
     """The token slice of each non-empty packed sequence, or None once for the whole axis."""
     if cu_seqlens is None:
         return [None]
-    offsets = cu_seqlens.tolist()
+    offsets = _checks.packed_offsets(cu_seqlens, nq)
     return [slice(a, b) for a, b in zip(offsets[:-1], offsets[1:]) if b > a]
 
 
@@ -101,7 +110,7 @@ def _hidden(row0, nrows, nq, nk, causal, device):
         return None
     rows = torch.arange(row0, row0 + nrows, device=device)[:, None]
     cols = torch.arange(nk, device=device)[None, :]
-    return cols > rows + (nk - nq)
+    return cols > rows + causal_offset(nq, nk)
 
 
 def _log_softmax_(s, hidden):
@@ -148,8 +157,10 @@ def _forward_dense_rows(q1, k1, q2, k2, causal, scale1, scale2, kl, lse1, lse2):
         del diff, p1
 
 
-def forward(q1, k1, q2, k2, *, causal, scale1, scale2, cu_seqlens=None, max_seqlen=None):
-    b, h, nq, _ = q1.shape
+def forward(spec: AttnKLSpec, inputs: AttnKLInputs) -> AttnKLStats:
+    q1, k1, q2, k2, cu_seqlens = inputs
+    causal, scale1, scale2 = spec.causal, spec.scale1, spec.scale2
+    b, h, nq = spec.batch, spec.heads, spec.nq
     dtype = _compute_dtype(q1, q2)
     kl = torch.zeros(b, h, nq, dtype=dtype, device=q1.device)
     lse1 = torch.full_like(kl, -math.inf)
@@ -159,7 +170,7 @@ def forward(q1, k1, q2, k2, *, causal, scale1, scale2, cu_seqlens=None, max_seql
     for seq in _segments(cu_seqlens, nq):
         q1s, k1s, q2s, k2s, kls, lse1s, lse2s = _sliced(seq, q1, k1, q2, k2, kl, lse1, lse2)
         _forward_dense_rows(q1s, k1s, q2s, k2s, causal, scale1, scale2, kls, lse1s, lse2s)
-    return kl, lse1, lse2
+    return AttnKLStats(kl, lse1, lse2)
 
 
 def _backward_dense_rows(
@@ -212,37 +223,24 @@ def _accumulate(ds, q, k, rows, scale, need_dq, need_dk, dq, dk):
         )
 
 
-def backward(
-    grad_kl,
-    q1,
-    k1,
-    q2,
-    k2,
-    kl,
-    lse1,
-    lse2,
-    *,
-    causal,
-    scale1,
-    scale2,
-    cu_seqlens=None,
-    max_seqlen=None,
-    needs=(True, True, True, True),
-):
+def backward(spec: AttnKLSpec, inputs: AttnKLInputs, stats: AttnKLStats, grad_kl) -> AttnKLGrads:
+    q1, k1, q2, k2, cu_seqlens = inputs
+    kl, lse1, lse2 = stats
+    causal, scale1, scale2, needs = spec.causal, spec.scale1, spec.scale2, spec.needs
     dtype = _compute_dtype(q1, q2)
-    inputs = (q1, k1, q2, k2)
+    tensors = (q1, k1, q2, k2)
     # dq rows are written once, in the input's dtype; dk sums over every chunk, so it accumulates
     # in the compute dtype and is cast to the input's dtype once at the end.
     acc = [
         torch.zeros(t.shape, dtype=t.dtype if i % 2 == 0 else dtype, device=t.device) if need else None
-        for i, (t, need) in enumerate(zip(inputs, needs))
+        for i, (t, need) in enumerate(zip(tensors, needs))
     ]
     # Accumulators that are not the returned gradients (16-bit inputs) count against the chunk.
     held = sum(
-        a.numel() * a.element_size() for a, t in zip(acc, inputs) if a is not None and a.dtype != t.dtype
+        a.numel() * a.element_size() for a, t in zip(acc, tensors) if a is not None and a.dtype != t.dtype
     )
     if k1.shape[2] > 0 and kl.numel() > 0 and any(needs):
         for seq in _segments(cu_seqlens, q1.shape[2]):
-            part = _sliced(seq, grad_kl, *inputs, kl, lse1, lse2, *acc)
+            part = _sliced(seq, grad_kl, *tensors, kl, lse1, lse2, *acc)
             _backward_dense_rows(*part[:8], causal, scale1, scale2, needs, part[8:], dtype, held)
-    return tuple(None if a is None else a.to(t.dtype) for a, t in zip(acc, inputs))
+    return AttnKLGrads(*(None if a is None else a.to(t.dtype) for a, t in zip(acc, tensors)))

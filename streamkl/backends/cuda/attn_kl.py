@@ -1,0 +1,94 @@
+"""attn_kl on the cuda backend (streamkl/_backend.py's protocol): the forward is a
+warp-specialized TMA + wgmma kernel (kernels/); its backward is the triton backend's, run on this
+forward's (kl, lse1, lse2), so `supports` admits only inputs triton runs too."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ..._spec import AttnKLInputs, AttnKLSpec
+
+op = "attn_kl"
+backward_backend = "triton"  # no CUDA backward yet
+# At this many query rows or fewer (decode), where a head dim is over 64, triton's split-K reads
+# the keys 1-6% faster (docs/cuda.md, Dispatch); where both are at most 64, and from 32 rows on
+# everywhere, this kernel is faster.
+AUTO_MIN_QUERY_ROWS = 16
+
+_DTYPES = (torch.bfloat16, torch.float16)
+_MAX_GRID_YZ = 65535  # grid z holds the batch times the splits; heads keep the same bound
+
+
+@functools.cache
+def _toolchain() -> str | None:
+    try:
+        import cuda.bindings.driver  # noqa: F401
+        import cuda.core  # noqa: F401
+
+        from . import _jit
+
+        _jit.nvrtc_version()
+    except Exception as exc:  # missing package or no NVRTC library
+        return f"cuda-python with NVRTC is not usable here ({exc}); install streamkl[cuda]"
+    return None
+
+
+@functools.cache
+def _arch_reason(index: int) -> str | None:
+    major, minor = torch.cuda.get_device_capability(index)
+    if (major, minor) != (9, 0):
+        return f"the cuda backend's kernels are built for sm_90a (Hopper); this GPU is sm_{major}{minor}"
+    return None
+
+
+def supports(spec: AttnKLSpec, inputs: AttnKLInputs) -> str | None:
+    q1, k1, q2, k2, _ = inputs
+    if q1.device.type != "cuda":
+        return "the cuda backend runs CUDA tensors only"
+    dtypes = {t.dtype for t in (q1, k1, q2, k2)}
+    if len(dtypes) != 1 or q1.dtype not in _DTYPES:
+        got = ", ".join(sorted(str(d) for d in dtypes))
+        return f"the cuda backend takes one dtype, float16 or bfloat16, for all four inputs; got {got}"
+    from ._launch import MAX_D, tma_reason
+
+    if spec.d1 > MAX_D or spec.d2 > MAX_D:
+        return f"the cuda backend runs head dims up to {MAX_D}; got D1={spec.d1}, D2={spec.d2}"
+    if spec.heads > _MAX_GRID_YZ or spec.num_seqs > _MAX_GRID_YZ:
+        return f"the cuda backend runs at most {_MAX_GRID_YZ} heads and batches (or packed sequences)"
+    reason = _toolchain() or _arch_reason(q1.device.index or 0)
+    if reason is not None:
+        return reason
+    for name, t in zip(("q1", "k1", "q2", "k2"), (q1, k1, q2, k2)):
+        reason = tma_reason(t, name)
+        if reason is not None:
+            return reason
+    return None
+
+
+def auto_declines(spec: AttnKLSpec, inputs: AttnKLInputs) -> str | None:
+    if not spec.packed and spec.nq <= AUTO_MIN_QUERY_ROWS and max(spec.d1, spec.d2) > 64:
+        return f"at {AUTO_MIN_QUERY_ROWS} query rows or fewer, a head dim over 64: triton is measured faster"
+    return None
+
+
+def forward(spec: AttnKLSpec, inputs: AttnKLInputs):
+    from ._launch import forward as launch
+
+    q1, k1, q2, k2, cu_seqlens = inputs
+    return launch(
+        q1,
+        k1,
+        q2,
+        k2,
+        causal=spec.causal,
+        scale1=spec.scale1,
+        scale2=spec.scale2,
+        cu_seqlens=cu_seqlens,
+        max_seqlen=spec.max_seqlen,
+    )
+
+
+def backward(spec: AttnKLSpec, inputs: AttnKLInputs, stats, grad_kl):
+    raise NotImplementedError("the cuda backend has no backward of its own: the op runs backward_backend's")
