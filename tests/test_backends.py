@@ -21,7 +21,9 @@ from hypothesis import HealthCheck, Phase, assume, given, settings
 from hypothesis import strategies as st
 
 import streamkl
-from streamkl import _dispatch
+from streamkl import _checks, _dispatch
+from streamkl._backend import AttnKLBackend
+from streamkl._spec import AttnKLInputs
 from streamkl.testing import make_inputs
 
 from .tolerance import Expected
@@ -39,7 +41,7 @@ def _dtypes(name: str, device: str) -> list[torch.dtype]:
         if name == "triton" and device == "cpu" and dtype != torch.float32:
             continue  # the interpreter's 16-bit tl.dot is not the GPU's exact-product dot
         probe = make_inputs(h=2, nq=4, nk=4, d1=16, d2=16, dtype=dtype, device=device)
-        if _dispatch.why_not(name, *probe) is None:
+        if streamkl.available_backends(*probe)[name] is None:
             out.append(dtype)
     return out
 
@@ -85,7 +87,7 @@ def _refused(name, inputs, cu_seqlens=None) -> bool:
     128, float32) says why in `supports`, naming it explicitly raises that reason, and
     auto takes the next backend. The suite holds such a backend to the contract on the inputs
     it admits."""
-    reason = _dispatch.why_not(name, *inputs, cu_seqlens)
+    reason = streamkl.available_backends(*inputs, cu_seqlens)[name]
     if reason is None:
         return False
     assert name not in ("reference", "triton"), reason
@@ -262,7 +264,7 @@ def test_pairs_of_different_dtypes(target):
         q1, k1, _, _ = make_inputs(h=2, nq=9, nk=11, d1=16, d2=8, dtype=teacher, device=device, seed=6)
         _, _, q2, k2 = make_inputs(h=2, nq=9, nk=11, d1=16, d2=8, dtype=student, device=device, seed=6)
         inputs = (q1, k1, q2, k2)
-        reason = _dispatch.why_not(name, *inputs)
+        reason = streamkl.available_backends(*inputs)[name]
         if reason is None:
             _check(name, inputs, causal=True)
         else:
@@ -271,26 +273,28 @@ def test_pairs_of_different_dtypes(target):
 
 
 def test_backend_functions_keep_their_contract(target):
-    """streamkl/backends/__init__.py: (kl, lse1, lse2) float32 (float64 for float64) fresh and
-    contiguous, lse = -inf on rows that see nothing, unneeded gradients None, needed ones in
-    their input's shape and dtype, contiguous."""
+    """streamkl/_backend.py: the module implements the protocol; (kl, lse1, lse2) float32
+    (float64 for float64) fresh and contiguous, lse = -inf on rows that see nothing, unneeded
+    gradients None, needed ones in their input's shape and dtype, contiguous."""
     name, device, dtypes = target
-    module = _dispatch.module(name)
+    impl = _dispatch.implementation(name, "attn_kl")
+    assert isinstance(impl, AttnKLBackend) and impl.op == "attn_kl"
     for dtype in dtypes:
         q1, k1, q2, k2 = make_inputs(h=2, hk2=1, nq=10, nk=6, d1=16, d2=8, dtype=dtype, device=device,
                                      layout="bnhd")  # fmt: skip
         if _refused(name, (q1, k1, q2, k2)):
             continue
-        kw = dict(causal=True, scale1=0.25, scale2=0.3, cu_seqlens=None, max_seqlen=None)
-        kl, lse1, lse2 = module.forward(q1, k1, q2, k2, **kw)
+        spec = _checks.attn_kl_spec(q1, k1, q2, k2, causal=True, scale1=0.25, scale2=0.3)
+        inputs = AttnKLInputs(q1, k1, q2, k2)
+        kl, lse1, lse2 = stats = impl.forward(spec, inputs)
         want = torch.float64 if dtype == torch.float64 else torch.float32
         for t in (kl, lse1, lse2):
             assert t.shape == (1, 2, 10) and t.dtype == want and t.is_contiguous()
         assert torch.isneginf(lse1[:, :, :4]).all() and torch.isneginf(lse2[:, :, :4]).all()
         assert torch.isfinite(lse1[:, :, 4:]).all() and (kl[:, :, :4] == 0).all()
         g = torch.ones_like(kl)
-        backward = _dispatch.backward_of(module).backward  # a forward-only backend names another's
-        grads = backward(g, q1, k1, q2, k2, kl, lse1, lse2, needs=SETTING1, **kw)
+        backward = _dispatch.backward_of(impl).backward  # a forward-only backend names another's
+        grads = backward(spec.with_needs(SETTING1), inputs, stats, g)
         assert grads[0] is None and grads[1] is None
         for got, t in zip(grads[2:], (q2, k2)):
             assert got.shape == t.shape and got.dtype == t.dtype and got.is_contiguous()

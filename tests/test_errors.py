@@ -13,7 +13,7 @@ def no_backend_runs(monkeypatch):
     def boom(*args, **kwargs):
         raise AssertionError("a backend ran on invalid input")
 
-    import streamkl.reference.chunked as chunked
+    import streamkl.reference.attn_kl as chunked
 
     monkeypatch.setattr(chunked, "_forward_dense_rows", boom)
 

@@ -8,7 +8,9 @@ import pytest
 import torch
 
 import streamkl
-from streamkl import _checks, _ops
+from streamkl import _checks
+from streamkl._spec import AttnKLInputs
+from streamkl.ops import attn_kl as _ops
 from streamkl.testing import make_inputs
 
 from .tolerance import Expected
@@ -97,21 +99,18 @@ def test_available_backends_reports_reasons():
 
 
 def test_a_forward_only_backend_borrows_the_named_backward(monkeypatch):
-    """A backend with BACKWARD = "<name>" runs its forward; the gradients come from that backend."""
+    """A backend with backward_backend = "<name>" runs its forward; the gradients come from that
+    backend."""
+    import types
+
     from streamkl import _dispatch
 
-    reference = _dispatch.module("reference")
+    reference = _dispatch.implementation("reference", "attn_kl")
     forwards, backwards = [], []
-
-    class ForwardOnly:
-        BACKWARD = "reference"
-
-        @staticmethod
-        def forward(*args, **kwargs):
-            forwards.append(1)
-            return reference.forward(*args, **kwargs)
-
-    monkeypatch.setattr(_dispatch, "select", lambda *args, **kwargs: ForwardOnly)
+    forward_only = types.SimpleNamespace(
+        op="attn_kl", backward_backend="reference", forward=_counted(forwards, reference.forward)
+    )
+    monkeypatch.setattr(_dispatch, "select", lambda *args, **kwargs: forward_only)
     monkeypatch.setattr(reference, "backward", _counted(backwards, reference.backward))
     inputs = make_inputs(h=2, nq=5, nk=7, dtype=torch.float64)
     q1, k1 = inputs[0], inputs[1]
@@ -156,8 +155,37 @@ def test_forward_mode_ad_is_refused_not_dropped():
     q1, k1, q2, k2 = make_inputs(h=2, nq=6, nk=9, dtype=torch.float64)
     with fwAD.dual_level():
         dual = fwAD.make_dual(q2, torch.randn_like(q2))
-        with pytest.raises(RuntimeError, match="jvp|forward"):
+        with pytest.raises(NotImplementedError, match="does not support forward-mode AD.*reverse-mode"):
             streamkl.attn_kl(q1, k1, dual, k2)
+
+
+@pytest.mark.parametrize("transform", ["vmap", "grad"])
+def test_torch_func_transforms_are_refused_by_name(transform):
+    q1, k1, q2, k2 = make_inputs(h=2, nq=6, nk=9, dtype=torch.float64)
+    if transform == "vmap":
+        fn = torch.func.vmap(lambda q: streamkl.attn_kl(q, k1, q2, k2))
+        arg = q1[None].expand(3, -1, -1, -1, -1)
+    else:
+        fn = torch.func.grad(lambda q: streamkl.attn_kl(q1, k1, q, k2, reduction="sum"))
+        arg = q2
+    with pytest.raises(NotImplementedError, match="torch.func transforms.*reverse-mode"):
+        fn(arg)
+
+
+@pytest.mark.parametrize("path", ["eager", "registered op"])
+def test_double_backward_is_refused_by_name(path):
+    """The gradients are differentiable once: asking for a second derivative raises a named
+    error, never a silently wrong one. create_graph=True alone (e.g. for another term of the
+    loss) is fine."""
+    inputs = make_inputs(h=2, nq=6, nk=9, dtype=torch.float64, requires_grad=True)
+    op = streamkl.attn_kl if path == "eager" else torch.ops.streamkl.attn_kl
+    loss = op(*inputs, causal=True, reduction="sum")
+    dq2 = torch.autograd.grad(loss, inputs[2], create_graph=True)[0]
+    torch.testing.assert_close(
+        dq2, torch.autograd.grad(op(*inputs, causal=True, reduction="sum"), inputs[2])[0]
+    )
+    with pytest.raises(NotImplementedError, match="differentiable once"):
+        dq2.sum().backward()
 
 
 def test_auto_passes_by_a_backend_where_it_declines(monkeypatch):
@@ -165,17 +193,19 @@ def test_auto_passes_by_a_backend_where_it_declines(monkeypatch):
     measured faster: auto takes triton there and cuda elsewhere; named, cuda runs both."""
     from streamkl import _dispatch
 
-    cuda, triton = _dispatch.module("cuda"), _dispatch.module("triton")
+    cuda, triton = (_dispatch.implementation(name, "attn_kl") for name in ("cuda", "triton"))
     monkeypatch.setattr(cuda, "supports", lambda *args, **kwargs: None)
     monkeypatch.setattr(triton, "supports", lambda *args, **kwargs: None)
     rows = cuda.AUTO_MIN_QUERY_ROWS
     decode, prefill = make_inputs(h=2, nq=rows, nk=64, d2=128), make_inputs(h=2, nq=rows + 1, nk=64, d2=128)
     decode64 = make_inputs(h=2, nq=rows, nk=64, d1=64, d2=64)
-    for inputs, auto in ((decode, triton), (prefill, cuda), (decode64, cuda)):
-        assert (_dispatch.auto_declines("cuda", *inputs) is None) == (auto is cuda)
-        assert _dispatch.auto_declines("triton", *inputs) is None
-        assert _dispatch.first_for_auto(*inputs, None) is auto
-        assert _dispatch.select(*inputs, None, "cuda") is cuda
+    for tensors, auto in ((decode, triton), (prefill, cuda), (decode64, cuda)):
+        spec = _checks.attn_kl_spec(*tensors, causal=False, scale1=None, scale2=None)
+        inputs = AttnKLInputs(*tensors)
+        assert (cuda.auto_declines(spec, inputs) is None) == (auto is cuda)
+        assert triton.auto_declines(spec, inputs) is None
+        assert _dispatch.first_for_auto("attn_kl", spec, inputs) is auto
+        assert _dispatch.select("attn_kl", spec, inputs, "cuda") is cuda
 
 
 def _counted(calls, fn):
@@ -202,7 +232,7 @@ def _count_calls(monkeypatch, module, name):
 
 
 def test_one_validation_per_eager_call(monkeypatch):
-    checks = _count_calls(monkeypatch, _checks, "check_inputs")
+    checks = _count_calls(monkeypatch, _checks, "attn_kl_spec")
     inputs = make_inputs(h=4, hk2=2, nq=6, nk=7, d1=8, d2=4, requires_grad=True)
     streamkl.attn_kl(*inputs, causal=True, reduction="sum").backward()
     assert len(checks) == 1
@@ -245,6 +275,18 @@ def test_cu_seqlens_made_in_inference_mode():
         second = streamkl.attn_kl(*inputs, causal=True, cu_seqlens=cu)
     Expected(inputs, causal=True, cu_seqlens=cu).check_kl(second)
     assert not torch.equal(first, second)
+
+
+def test_cu_seqlens_made_in_inference_mode_trains():
+    """Offsets built under inference_mode (a data loader's) serve a training step eagerly: the op
+    holds them for the backward instead of saving them (docs/contract.md, Packed sequences)."""
+    with torch.inference_mode():
+        cu = torch.tensor([0, 4, 10], dtype=torch.int32)
+    inputs = make_inputs(h=2, nq=10, nk=10, d1=8, d2=8, dtype=torch.float64, requires_grad=True)
+    expected = Expected(inputs, causal=True, cu_seqlens=cu)
+    kl = streamkl.attn_kl(*inputs, causal=True, cu_seqlens=cu)
+    expected.check_kl(kl)
+    expected.check_grads(torch.autograd.grad(kl, inputs, expected.grad), inputs)
 
 
 def test_eager_path_and_registered_ops_agree():

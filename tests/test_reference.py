@@ -6,8 +6,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import streamkl
-from streamkl import reference
 from streamkl.testing import make_inputs
+
+from ._calls import reference
 
 
 @pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])

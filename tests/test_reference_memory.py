@@ -11,9 +11,10 @@ directly: a dispatch mode sees a custom op as one call.
 import pytest
 import torch
 
-from streamkl import reference
-from streamkl.reference import chunked
+from streamkl.reference import attn_kl as chunked
 from streamkl.testing import cpu_peak_bytes, make_inputs
+
+from ._calls import reference
 
 
 def _storage_bytes(tensors) -> int:

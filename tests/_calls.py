@@ -1,0 +1,32 @@
+"""A backend's attn_kl called the way the op calls it, for tests that look at one backend alone:
+the spec is built by the op's own validation, then (spec, inputs) go to the backend."""
+
+from __future__ import annotations
+
+from streamkl import _checks, _dispatch
+from streamkl._spec import AttnKLInputs, AttnKLStats
+
+
+class BackendCalls:
+    def __init__(self, name: str):
+        self.impl = _dispatch.implementation(name, "attn_kl")
+
+    @staticmethod
+    def _spec(q1, k1, q2, k2, causal, scale1, scale2, cu_seqlens, needs=None):
+        spec = _checks.attn_kl_spec(
+            q1, k1, q2, k2, causal=causal, scale1=scale1, scale2=scale2, cu_seqlens=cu_seqlens
+        )
+        return spec if needs is None else spec.with_needs(needs)
+
+    def forward(self, q1, k1, q2, k2, *, causal, scale1, scale2, cu_seqlens=None):
+        spec = self._spec(q1, k1, q2, k2, causal, scale1, scale2, cu_seqlens)
+        return self.impl.forward(spec, AttnKLInputs(q1, k1, q2, k2, cu_seqlens))
+
+    def backward(self, grad, q1, k1, q2, k2, kl, lse1, lse2, *, causal, scale1, scale2, cu_seqlens=None,
+                 needs=(True, True, True, True)):  # fmt: skip
+        spec = self._spec(q1, k1, q2, k2, causal, scale1, scale2, cu_seqlens, needs)
+        inputs = AttnKLInputs(q1, k1, q2, k2, cu_seqlens)
+        return _dispatch.backward_of(self.impl).backward(spec, inputs, AttnKLStats(kl, lse1, lse2), grad)
+
+
+reference = BackendCalls("reference")
