@@ -13,6 +13,8 @@ import math
 
 import torch
 
+from ._spec import causal_offset
+
 
 def visible_mask(nq: int, nk: int, causal: bool, device=None, cu_seqlens=None) -> torch.Tensor:
     """(Nq, Nk) bool: which keys each query row may see (bottom-right causal, packed sequences)."""
@@ -20,7 +22,7 @@ def visible_mask(nq: int, nk: int, causal: bool, device=None, cu_seqlens=None) -
     cols = torch.arange(nk, device=device)[None, :]
     mask = torch.ones(nq, nk, dtype=torch.bool, device=device)
     if causal:
-        mask &= cols <= rows + (nk - nq)
+        mask &= cols <= rows + causal_offset(nq, nk)
     if cu_seqlens is not None:
         bounds = cu_seqlens.to(device=device, dtype=torch.long)
         seq_of_row = torch.searchsorted(bounds, torch.arange(nq, device=device), right=True)
