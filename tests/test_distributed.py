@@ -26,6 +26,7 @@ import torch.multiprocessing as mp
 import streamkl
 from streamkl import _dispatch
 from streamkl import distributed as cp
+from streamkl.distributed import _plan
 from streamkl.testing import make_inputs
 
 from .tolerance import Expected
@@ -503,8 +504,8 @@ def test_processes_finish(world_outcomes, world):
 def test_plan_causal_blocks():
     """The calls that cover a zigzag rank's two chunks (docs/distributed.md, Causal): rank 1 of
     4 holds chunks 1 and 6 of 8."""
-    plan = cp._plan
-    call = cp._Call
+    plan = _plan.plan
+    call = _plan.Call
     # its own shard: one causal call over both chunks (row i of chunk 6 sees chunk 1 whole)
     assert plan((1, 6), (1, 6), 3, True) == [call(slice(0, 6), 6, True)]
     # rank 0's shard (chunks 0, 7): both query chunks see chunk 0 whole, neither sees chunk 7

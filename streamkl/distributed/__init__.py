@@ -1,0 +1,133 @@
+"""Context parallelism: streamkl.attn_kl over one sequence sharded across the ranks of a
+torch.distributed group (docs/distributed.md).
+
+    attn_kl(q1, k1, q2, k2, *, group, causal, layout, comm, ...)   each rank passes its shard
+    shard(x, layout) / unshard(x, layout)                           full tensor <-> local shard
+
+The package, one concern a module:
+
+    _layout    layouts: which chunks of the sequence each rank holds; the cut and the reassembly
+    _validate  cross-rank validation: local checks, then one exchange so every rank raises alike
+    _plan      the blocks a rank's queries meet, the calls that cover them, head steps, the merge
+    _comm      the process group, all-gather / reduce-scatter, the point-to-point ring
+    _ops       the custom ops (streamkl::cp_attn_kl_fwd / cp_attn_kl_bwd / cp_sum), their fakes
+               and autograd, and the runners that drive the blocks
+
+Every block of work is a call of the single-process op on a slice of the local queries and a
+run of keys, so any backend runs it. The distributed forward and backward are custom ops whose
+bodies do the communication; their fake functions make torch.compile trace a model that calls
+attn_kl (docs/distributed.md, torch.compile).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import _comm, _layout, _ops, _validate
+from ._comm import COMMS
+from ._layout import LAYOUTS
+
+__all__ = ["COMMS", "LAYOUTS", "attn_kl", "shard", "unshard"]
+
+
+def shard(x: Tensor, layout: str = "zigzag", group=None, dim: int = 2) -> Tensor:
+    """This rank's shard of the full tensor `x` along `dim` (the sequence axis of (B, H, N, D)).
+
+    "contiguous": rank r holds tokens [r N/P, (r+1) N/P). "zigzag": the sequence is cut into 2P
+    equal chunks and rank r holds chunks r and 2P-1-r, in that order. A new tensor, never a view;
+    differentiable. Needs N divisible by P ("contiguous") or 2P ("zigzag"). No communication."""
+    _layout.check_layout(layout)
+    group = _comm.resolve_group(group)
+    world, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
+    return _layout.cut(x, layout, rank, world, dim)
+
+
+def unshard(x: Tensor, layout: str = "zigzag", group=None, dim: int = 2) -> Tensor:
+    """The full tensor from every rank's shard `x` (the inverse of `shard`), on every rank.
+
+    A collective: every rank of `group` calls it. Shapes, dtypes and device types are compared
+    across ranks first (one small all-gather), so a mismatch raises on every rank. The result
+    carries no autograd history."""
+    group = _comm.resolve_group(group)
+    world = torch.distributed.get_world_size(group)
+    _validate.agree(
+        group, lambda: (None, _layout.check_shard(x, layout, dim)), "streamkl.distributed.unshard"
+    )
+    dim = dim % x.dim()
+    gathered = _comm.all_gather(x.detach().movedim(dim, 0).contiguous(), group, world)
+    return _layout.assemble(gathered, layout, world).movedim(0, dim)
+
+
+def attn_kl(
+    q1: Tensor,
+    k1: Tensor,
+    q2: Tensor,
+    k2: Tensor,
+    *,
+    group=None,
+    causal: bool = False,
+    layout: str = "zigzag",
+    comm: str = "allgather",
+    scale1: float | None = None,
+    scale2: float | None = None,
+    reduction: str = "none",
+    heads_per_step: int | None = None,
+    cu_seqlens: Tensor | None = None,
+    max_seqlen: int | None = None,
+    backend: str | None = None,
+) -> Tensor:
+    """streamkl.attn_kl over one sequence sharded across the ranks of `group` (default: the world).
+
+    Each rank passes its shard (B, H, N_local, D) of q1, k1, q2, k2, laid out as `layout`
+    ("zigzag": chunks r and 2P-1-r of 2P; "contiguous": chunk r of P; see `shard`). Returns the
+    local rows' KL (B, H, N_local), or with reduction "sum" / "mean" the value over the whole
+    sequence, the same on every rank. Differentiable in all four inputs; every rank must run the
+    backward (it communicates). `comm`: "allgather" (gather the key heads, reduce-scatter their
+    gradients) or "ring" (key shards pass from rank to rank). `heads_per_step`: query heads per
+    pass over the keys (a multiple of the heads sharing a key head; default all), which bounds
+    the keys held at once. causal, scale1, scale2, backend: as for streamkl.attn_kl, causal over
+    the global positions. cu_seqlens is not supported yet. Bad input raises ValueError or
+    TypeError on every rank before any data moves. docs/distributed.md states the whole call.
+    """
+    group = _comm.resolve_group(group)
+    grad_flags = [
+        torch.is_grad_enabled() and isinstance(t, Tensor) and t.requires_grad for t in (q1, k1, q2, k2)
+    ]
+    args = (causal, layout, comm, scale1, scale2, reduction, heads_per_step, cu_seqlens, max_seqlen, backend)
+
+    def local():
+        return _validate.check_local(group, q1, k1, q2, k2, *args, grad_flags)
+
+    if torch.compiler.is_compiling():
+        # checks that need no communication run at trace time; the cross-rank ones at run time
+        options, verify = local()[0], True
+    else:
+        options, verify = _validate.agree(group, local, "streamkl.distributed.attn_kl"), False
+    kl, _, _ = _ops.cp_attn_kl_fwd(
+        q1,
+        k1,
+        q2,
+        k2,
+        group.group_name,
+        layout,
+        comm,
+        causal,
+        options.scale1,
+        options.scale2,
+        options.heads_per_step,
+        backend,
+        grad_flags,
+        reduction,
+        verify,
+    )
+    if reduction == "none":
+        return kl
+    local_sum = kl.sum()
+    # the global value, bit-identical on every rank; its gradient reaches this rank's rows only,
+    # since every rank's backward starts from the same global loss (docs/distributed.md, Reductions)
+    total = _ops.cp_sum(local_sum.detach(), group.group_name) + (local_sum - local_sum.detach())
+    if reduction == "sum":
+        return total
+    rows = kl.shape[0] * kl.shape[1] * kl.shape[2] * options.world  # causal: every row sees its own key
+    return total / max(rows, 1)

@@ -1,0 +1,99 @@
+"""Communication for context parallelism: the process group, the collectives on flat buffers
+(all-gather, reduce-scatter) and the point-to-point ring. Nothing here knows a layout or an op:
+these move tensors between the ranks of a group."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+COMMS = ("allgather", "ring")
+
+# batch_isend_irecv tags: gloo matches point-to-point messages by tag, and a key shard and a dk
+# partial can travel between the same two ranks at once (docs/distributed.md, Ring).
+TAG_KEYS = 0
+TAG_DK = 2
+
+
+def resolve_group(group):
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "streamkl.distributed needs an initialized process group: call "
+            "torch.distributed.init_process_group first"
+        )
+    if group is None:
+        return dist.group.WORLD
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"group must be a torch.distributed ProcessGroup or None, got {type(group).__name__}")
+    if dist.get_rank(group) < 0:
+        raise ValueError("this process is not a member of `group`")
+    return group
+
+
+def group_by_name(name: str):
+    """The process group named `name`: custom op schemas take no ProcessGroup, so the group
+    travels into the ops by name, the way torch's functional collectives pass it."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(name)
+
+
+def all_gather_flat(out: Tensor, local: Tensor, group, async_op: bool = False):
+    # all_gather_single is all_gather_into_tensor's name in recent torch (same semantics)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return gather(out, local, group=group, async_op=async_op)
+
+
+def reduce_scatter_flat(out: Tensor, by_owner: Tensor, group, async_op: bool = False):
+    # reduce_scatter_single is reduce_scatter_tensor's name in recent torch (same semantics)
+    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return reduce_scatter(out, by_owner, group=group, async_op=async_op)
+
+
+def all_gather(t: Tensor, group, world: int) -> Tensor:
+    """(world, *t.shape): every rank's `t`, by rank."""
+    out = t.new_empty((world, *t.shape))
+    if world == 1:
+        out[0] = t
+    else:
+        # flat buffers: backends differ in the multi-dimensional forms they take
+        all_gather_flat(out.view(-1), t.contiguous().view(-1), group=group)
+    return out
+
+
+def reduce_scatter(by_owner: Tensor, group, world: int):
+    """Posts the sum over ranks of by_owner[this rank]; returns (request or None, the result)."""
+    out = by_owner.new_empty(by_owner.shape[1:])
+    if world == 1:
+        out.copy_(by_owner[0])
+        return None, out
+    return reduce_scatter_flat(out.view(-1), by_owner.view(-1), group=group, async_op=True), out
+
+
+def p2p(send: list[Tensor], receive: list[Tensor], group, rank, world, tag: int):
+    """Posts sends of `send` to the next rank and receives into `receive` from the previous
+    one, in one batch_isend_irecv; returns the requests."""
+    to_rank = dist.get_global_rank(group, (rank + 1) % world)
+    from_rank = dist.get_global_rank(group, (rank - 1) % world)
+    ops = [dist.P2POp(dist.isend, t, to_rank, group, tag + i) for i, t in enumerate(send)]
+    ops += [dist.P2POp(dist.irecv, t, from_rank, group, tag + i) for i, t in enumerate(receive)]
+    return dist.batch_isend_irecv(ops)
+
+
+def ring(shards: list[Tensor], group, rank: int, world: int) -> Iterator[tuple[int, list[Tensor]]]:
+    """Yields (source rank, its shards) for each of the `world` steps of the ring: step s holds
+    the shards of rank (rank - s) mod world. The exchange for step s + 1 is posted before step s
+    is handed out, so it travels while the caller computes; two shards are alive at a time."""
+    current = [t.contiguous() for t in shards]
+    for step in range(world):
+        requests, incoming = [], []
+        if step + 1 < world:
+            incoming = [torch.empty_like(t) for t in current]
+            requests = p2p(current, incoming, group, rank, world, TAG_KEYS)
+        yield (rank - step) % world, current
+        for request in requests:
+            request.wait()
+        current = incoming
