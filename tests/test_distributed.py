@@ -1,8 +1,9 @@
 """Context parallelism (streamkl.distributed, docs/distributed.md) on gloo CPU process groups of
 2, 3 and 4 ranks: the forward and all four gradients of every rank's shard against the
 single-process op on the full sequence, both layouts and both communication forms, causal and
-not, GQA, D1 != D2, reductions, subgroups, a group of one rank, torch.compile, and bad input
-raising the same error on every rank.
+not, GQA, D1 != D2, reductions, subgroups, a group of one rank, torch.compile, one validation
+and one backend selection per call however many blocks it runs, and bad input raising the same
+error on every rank.
 
 Each world size is spawned once: its processes run every case of that size in turn and report
 each outcome through a queue, so one test per case reads its outcome. Every spawn has a deadline,
@@ -11,6 +12,7 @@ so a deadlock fails the tests instead of hanging CI.
 
 from __future__ import annotations
 
+import collections
 import datetime
 import math
 import os
@@ -24,9 +26,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import streamkl
-from streamkl import _dispatch
+from streamkl import _checks, _dispatch
 from streamkl import distributed as cp
 from streamkl.distributed import _plan
+from streamkl.reference import attn_kl as reference_attn_kl
 from streamkl.testing import make_inputs
 
 from .tolerance import Expected
@@ -171,6 +174,41 @@ def case_empty_shards(rank, world, *, comm):
     got.backward()
     assert got.item() == 0.0
     assert all(t.grad is not None and t.grad.shape == t.shape for t in local)
+
+
+def case_one_validation_per_call(rank, world, *, comm):
+    """A call is validated, its spec built and its backend selected once, however many blocks it
+    runs: every block calls the selected backend directly, forward and backward."""
+    counts = collections.Counter()
+    patched = [
+        (_checks, "attn_kl_spec"),
+        (_checks, "attn_kl_spec_of_saved"),
+        (_dispatch, "select"),
+        (reference_attn_kl, "forward"),
+        (reference_attn_kl, "backward"),
+    ]
+    originals = [getattr(module, name) for module, name in patched]
+
+    def counting(name, function):
+        def counted(*args, **kwargs):
+            counts[name] += 1
+            return function(*args, **kwargs)
+
+        return counted
+
+    inputs, _ = _problem(world, hk1=4, hk2=4, dtype=torch.float64, seed=4)
+    local = [cp.shard(t, "zigzag").requires_grad_() for t in inputs]
+    try:
+        for (module, name), function in zip(patched, originals):
+            setattr(module, name, counting(name, function))
+        kl = cp.attn_kl(*local, causal=True, comm=comm, heads_per_step=2, backend="reference")
+        kl.sum().backward()
+    finally:
+        for (module, name), function in zip(patched, originals):
+            setattr(module, name, function)
+    assert counts["attn_kl_spec"] + counts["attn_kl_spec_of_saved"] == 1, counts
+    assert counts["select"] == 1, counts
+    assert counts["forward"] > 1 and counts["backward"] == counts["forward"], counts
 
 
 def case_shard_round_trip(rank, world, *, layout):
@@ -391,6 +429,7 @@ def _cases(world: int) -> list[tuple[str, str, dict]]:
                 (f"group-of-one-{comm}", "case_group_of_one", dict(layout="zigzag", comm=comm, causal=True))
             )
             cases.append((f"empty-shards-{comm}", "case_empty_shards", dict(comm=comm)))
+            cases.append((f"one-validation-{comm}", "case_one_validation_per_call", dict(comm=comm)))
             compiler = "inductor" if comm == "ring" else "aot_eager"
             cases.append((f"compiled-{comm}-{compiler}", "case_compiled", dict(comm=comm, compiler=compiler)))
             cases.append(
@@ -423,7 +462,7 @@ def _cases(world: int) -> list[tuple[str, str, dict]]:
 
 
 # tests/conftest.py sets TRITON_INTERPRET=1 without a GPU; the spawned processes inherit it
-TRITON_ON_CPU = _dispatch.why_not("triton", *make_inputs(h=2, nq=4, nk=4, d1=16, d2=16)) is None
+TRITON_ON_CPU = streamkl.available_backends(*make_inputs(h=2, nq=4, nk=4, d1=16, d2=16))["triton"] is None
 WORLDS = (2, 3, 4)
 CASES = [(world, name) for world in WORLDS for name, _, _ in _cases(world)]
 

@@ -8,15 +8,16 @@ The package, one concern a module:
 
     _layout    layouts: which chunks of the sequence each rank holds; the cut and the reassembly
     _validate  cross-rank validation: local checks, then one exchange so every rank raises alike
-    _plan      the blocks a rank's queries meet, the calls that cover them, head steps, the merge
+    _plan      the blocks a rank's queries meet, the calls that cover them, head steps, the
+               forward and backward drivers over them, the merge of partial states
     _comm      the process group, all-gather / reduce-scatter, the point-to-point ring
-    _ops       the custom ops (streamkl::cp_attn_kl_fwd / cp_attn_kl_bwd / cp_sum), their fakes
-               and autograd, and the runners that drive the blocks
+    _ops       attn_kl's block runners, its custom ops (streamkl::cp_attn_kl_fwd / cp_attn_kl_bwd /
+               cp_sum) with their fakes and autograd, and the eager path
 
-Every block of work is a call of the single-process op on a slice of the local queries and a
-run of keys, so any backend runs it. The distributed forward and backward are custom ops whose
-bodies do the communication; their fake functions make torch.compile trace a model that calls
-attn_kl (docs/distributed.md, torch.compile).
+_layout, _plan and _comm know no op: a second op whose partial state merges like a log-sum-exp
+brings its own block runner and merge and reuses them. Every block of work is one call of the
+backend selected for the whole call, on a slice of the local queries and a run of keys, so any
+backend runs it.
 """
 
 from __future__ import annotations
@@ -90,44 +91,8 @@ def attn_kl(
     the global positions. cu_seqlens is not supported yet. Bad input raises ValueError or
     TypeError on every rank before any data moves. docs/distributed.md states the whole call.
     """
-    group = _comm.resolve_group(group)
-    grad_flags = [
-        torch.is_grad_enabled() and isinstance(t, Tensor) and t.requires_grad for t in (q1, k1, q2, k2)
-    ]
-    args = (causal, layout, comm, scale1, scale2, reduction, heads_per_step, cu_seqlens, max_seqlen, backend)
-
-    def local():
-        return _validate.check_local(group, q1, k1, q2, k2, *args, grad_flags)
-
-    if torch.compiler.is_compiling():
-        # checks that need no communication run at trace time; the cross-rank ones at run time
-        options, verify = local()[0], True
-    else:
-        options, verify = _validate.agree(group, local, "streamkl.distributed.attn_kl"), False
-    kl, _, _ = _ops.cp_attn_kl_fwd(
-        q1,
-        k1,
-        q2,
-        k2,
-        group.group_name,
-        layout,
-        comm,
-        causal,
-        options.scale1,
-        options.scale2,
-        options.heads_per_step,
-        backend,
-        grad_flags,
-        reduction,
-        verify,
-    )
-    if reduction == "none":
-        return kl
-    local_sum = kl.sum()
-    # the global value, bit-identical on every rank; its gradient reaches this rank's rows only,
-    # since every rank's backward starts from the same global loss (docs/distributed.md, Reductions)
-    total = _ops.cp_sum(local_sum.detach(), group.group_name) + (local_sum - local_sum.detach())
-    if reduction == "sum":
-        return total
-    rows = kl.shape[0] * kl.shape[1] * kl.shape[2] * options.world  # causal: every row sees its own key
-    return total / max(rows, 1)
+    return _ops.attn_kl(
+        q1, k1, q2, k2, group=group, causal=causal, layout=layout, comm=comm, scale1=scale1, scale2=scale2,
+        reduction=reduction, heads_per_step=heads_per_step, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+        backend=backend,
+    )  # fmt: skip

@@ -1,6 +1,6 @@
-"""Communication for context parallelism: the process group, the collectives on flat buffers
-(all-gather, reduce-scatter) and the point-to-point ring. Nothing here knows a layout or an op:
-these move tensors between the ranks of a group."""
+"""Communication for context parallelism: the process group (and its name, which the custom
+ops take), all-gather and reduce-scatter on flat buffers, and the point-to-point ring. Nothing
+here knows a layout or an op: these move lists of tensors between the ranks of a group."""
 
 from __future__ import annotations
 
@@ -53,15 +53,18 @@ def reduce_scatter_flat(out: Tensor, by_owner: Tensor, group, async_op: bool = F
     return reduce_scatter(out, by_owner, group=group, async_op=async_op)
 
 
-def all_gather(t: Tensor, group, world: int) -> Tensor:
-    """(world, *t.shape): every rank's `t`, by rank."""
-    out = t.new_empty((world, *t.shape))
+def all_gather(t: Tensor, group, world: int, async_op: bool = False):
+    """(world, *t.shape): every rank's `t`, by rank. With async_op: (request or None, that tensor),
+    to be read once the request is waited on."""
+    local = t.contiguous()
+    out = local.new_empty((world, *local.shape))
+    work = None
     if world == 1:
-        out[0] = t
+        out[0] = local
     else:
         # flat buffers: backends differ in the multi-dimensional forms they take
-        all_gather_flat(out.view(-1), t.contiguous().view(-1), group=group)
-    return out
+        work = all_gather_flat(out.view(-1), local.view(-1), group=group, async_op=async_op)
+    return (work, out) if async_op else out
 
 
 def reduce_scatter(by_owner: Tensor, group, world: int):

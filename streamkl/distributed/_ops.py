@@ -1,231 +1,133 @@
-"""The context-parallel ops of attn_kl: streamkl::cp_attn_kl_fwd / cp_attn_kl_bwd (their bodies
-run the blocks and do the communication), streamkl::cp_sum (the all-reduce of a reduction), their
-fake functions and autograd, and the forward and backward runners over the plan's blocks. Every
-block of work is a call of torch.ops.streamkl.attn_kl_fwd / attn_kl_bwd, so any backend runs it."""
+"""attn_kl with context parallelism, the op: validation of a call, the block runners, and its
+torch.library registration.
+
+    run_forward / run_backward    attn_kl's block runners on the plan (_plan.run_forward /
+                                  run_backward): each block is one call of the backend selected
+                                  for the whole call, backend.forward(block spec, block inputs)
+    streamkl::cp_attn_kl_fwd      -> (kl, lse1, lse2) of the local rows over the whole sequence
+    streamkl::cp_attn_kl_bwd      -> (dq1, dk1, dq2, dk2) of the local shards
+    streamkl::cp_sum              the all-reduce of a reduction
+
+A call is validated once (its spec built by streamkl._checks.attn_kl_spec, then the
+context-parallel checks and the backend selection, agreed across ranks) and every block reuses
+that spec and backend. An eager call with plain tensors runs the runners through an
+autograd.Function; a traced call (torch.compile) checks what needs no communication at trace time
+and goes through the custom ops, whose forward runs the cross-rank checks at run time. The ops'
+fake functions make torch.compile trace a model that calls attn_kl (docs/distributed.md,
+torch.compile).
+"""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
-from typing import NamedTuple
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
-# importing the package (streamkl/__init__.py) registers torch.ops.streamkl.attn_kl_fwd / attn_kl_bwd
-from .. import _ops
-from ._comm import TAG_DK, group_by_name, p2p, reduce_scatter, ring
-from ._layout import chunks_of, chunks_per_rank, owners
-from ._plan import HeadStep, gathered_steps, head_steps, merge_into, plan
-from ._validate import agree, check_local
+from .. import _checks, _dispatch
+from .._spec import AttnKLInputs, AttnKLSpec, AttnKLStats
+from ..ops._common import on_device, once_differentiable, out_dtype, refuse_unsupported_autograd
+from . import _plan, _validate
+from ._comm import group_by_name, resolve_group
+from ._plan import Call, Context, HeadStep
 
-# --- forward and backward bodies --------------------------------------------------------------
-
-
-class _Problem(NamedTuple):
-    """What the forward and backward bodies share about a call."""
-
-    group: object
-    layout: str
-    comm: str
-    causal: bool
-    scale1: float
-    scale2: float
-    heads_per_step: int
-    backend: str | None
-    world: int
-    rank: int
+OP = "attn_kl"
+WHAT = "streamkl.distributed.attn_kl"
 
 
-def _local_chunks(p: _Problem) -> tuple[int, ...]:
-    return chunks_of(p.layout, p.rank, p.world)
+def _block_spec(spec: AttnKLSpec, step: HeadStep, call: Call) -> AttnKLSpec:
+    """The spec of one block: the step's heads, the call's rows and key prefix."""
+    heads = step.q.stop - step.q.start
+    return spec._replace(
+        heads=heads,
+        heads_kv1=heads // spec.group1,
+        heads_kv2=heads // spec.group2,
+        nq=call.rows.stop - call.rows.start,
+        nk=call.keys,
+        causal=call.causal,
+    )
 
 
-def _key_blocks(p: _Problem, k1, k2, step_list) -> Iterator[tuple[HeadStep, tuple[int, ...], Tensor, Tensor]]:
-    """(head step, global chunks the block holds, k1 block, k2 block) for every block of keys this
-    rank's queries meet: the whole sequence once per head step (all-gather), or each rank's shard
-    in turn (ring)."""
-    if p.comm == "allgather":
-        every_chunk = tuple(range(p.world * chunks_per_rank(p.layout)))
-        for gathered in gathered_steps(k1, k2, step_list, p.group, p.layout, p.world):
-            yield gathered.step, every_chunk, gathered.k1, gathered.k2
-        return
-    for step in step_list:
-        for source, (key1, key2) in ring([k1[:, step.k1], k2[:, step.k2]], p.group, p.rank, p.world):
-            yield step, chunks_of(p.layout, source, p.world), key1, key2
+def _steps(checked: _validate.Checked) -> list[HeadStep]:
+    spec = checked.spec
+    return _plan.head_steps(spec.heads, (spec.heads_kv1, spec.heads_kv2), checked.heads_per_step)
 
 
-def _forward(q1, k1, q2, k2, p: _Problem):
-    b, h, n, _ = q1.shape
-    dtype = _ops.out_dtype(q1, q2)
-    kl = torch.zeros(b, h, n, dtype=dtype, device=q1.device)
+def run_forward(checked: _validate.Checked, ctx: Context, inputs: AttnKLInputs) -> AttnKLStats:
+    """The local rows' (kl, lse1, lse2) over the whole sequence: each block's partial state
+    merged into the running one (docs/distributed.md, Merge)."""
+    spec, backend = checked.spec, checked.impl
+    q1, k1, q2, k2, _ = inputs
+    kl = torch.zeros(spec.batch, spec.heads, spec.nq, dtype=out_dtype(q1, q2), device=q1.device)
     lse1 = torch.full_like(kl, -math.inf)
     lse2 = torch.full_like(kl, -math.inf)
     if kl.numel() == 0:
-        return kl, lse1, lse2
-    chunk = n // chunks_per_rank(p.layout)
-    steps = head_steps(h, k1.shape[1], k2.shape[1], p.heads_per_step)
-    for step, key_chunks, key1, key2 in _key_blocks(p, k1, k2, steps):
-        for call in plan(_local_chunks(p), key_chunks, chunk, p.causal):
-            part = torch.ops.streamkl.attn_kl_fwd(
-                q1[:, step.q, call.rows],
-                key1[:, :, : call.keys],
-                q2[:, step.q, call.rows],
-                key2[:, :, : call.keys],
-                call.causal,
-                p.scale1,
-                p.scale2,
-                None,
-                None,
-                p.backend,
-            )
-            state = [t[:, step.q, call.rows] for t in (kl, lse1, lse2)]
-            merge_into(*state, *part)
-    return kl, lse1, lse2
+        return AttnKLStats(kl, lse1, lse2)
+
+    def block(step: HeadStep, call: Call, keys: list[Tensor]) -> None:
+        rows = (slice(None), step.q, call.rows)
+        key1, key2 = (k[:, :, : call.keys] for k in keys)
+        part = backend.forward(_block_spec(spec, step, call), AttnKLInputs(q1[rows], key1, q2[rows], key2))
+        _plan.merge_into(kl[rows], lse1[rows], lse2[rows], *part)
+
+    with on_device(q1):
+        _plan.run_forward(ctx, (k1, k2), _steps(checked), spec.causal, block)
+    return AttnKLStats(kl, lse1, lse2)
 
 
-def _block_backward(grad, q1, q2, kl, lse1, lse2, key1, key2, step, call, p: _Problem, needs):
-    """attn_kl_bwd of one call: (dq1, dk1, dq2, dk2) of its rows and keys, empty where not needed."""
-    rows = (slice(None), step.q, call.rows)
-    return torch.ops.streamkl.attn_kl_bwd(
-        grad[rows].contiguous(),
-        q1[rows],
-        key1[:, :, : call.keys],
-        q2[rows],
-        key2[:, :, : call.keys],
-        kl[rows].contiguous(),
-        lse1[rows].contiguous(),
-        lse2[rows].contiguous(),
-        call.causal,
-        p.scale1,
-        p.scale2,
-        None,
-        None,
-        list(needs),
-        p.backend,
-    )
-
-
-def _backward(grad, q1, k1, q2, k2, kl, lse1, lse2, p: _Problem, needs):
-    """(dq1, dk1, dq2, dk2) of this rank's inputs, accumulated in float32 (float64 for float64
-    inputs): dq from this rank's rows only; dk summed over every rank's rows, by a reduce-scatter
-    (all-gather) or a second ring one hop behind the keys (ring)."""
-    dtype = _ops.out_dtype(q1, q2)
-    inputs = (q1, k1, q2, k2)
+def run_backward(
+    checked: _validate.Checked, ctx: Context, inputs: AttnKLInputs, stats: AttnKLStats, grad_kl: Tensor
+) -> tuple[Tensor | None, ...]:
+    """(dq1, dk1, dq2, dk2) of this rank's shards for the gradients checked.spec.needs asks
+    for (None for the others), accumulated in the statistics' dtype: dq from this rank's rows
+    only, dk summed over every rank's rows (_plan.run_backward)."""
+    spec = checked.spec
+    q1, k1, q2, k2, _ = inputs
+    dtype = stats.kl.dtype
     grads = [
-        torch.zeros(t.shape, dtype=dtype, device=t.device) if need else None for t, need in zip(inputs, needs)
+        torch.zeros(t.shape, dtype=dtype, device=t.device) if need else None
+        for t, need in zip(inputs, spec.needs)
     ]
-    if kl.numel() > 0 and any(needs):
-        steps = head_steps(q1.shape[1], k1.shape[1], k2.shape[1], p.heads_per_step)
-        if p.comm == "allgather":
-            _backward_allgather(grad, q1, k1, q2, k2, kl, lse1, lse2, p, needs, grads, steps)
-        else:
-            _backward_ring(grad, q1, k1, q2, k2, kl, lse1, lse2, p, needs, grads, steps)
-    return tuple(g.to(t.dtype) if g is not None else t.new_empty(0) for g, t in zip(grads, inputs))
+    if stats.kl.numel() > 0 and any(spec.needs):
+        backend = _dispatch.backward_of(checked.impl)
+        grad_kl = grad_kl.to(dtype)
+        key_grads = {i: grads[2 * i + 1] for i in (0, 1) if spec.needs[2 * i + 1]}
+
+        def block(step: HeadStep, call: Call, keys: list[Tensor]) -> dict[int, Tensor]:
+            rows = (slice(None), step.q, call.rows)
+            key1, key2 = (k[:, :, : call.keys] for k in keys)
+            part = AttnKLStats(*(t[rows].contiguous() for t in stats))
+            dq1, dk1, dq2, dk2 = backend.backward(
+                _block_spec(spec, step, call),
+                AttnKLInputs(q1[rows], key1, q2[rows], key2),
+                part,
+                grad_kl[rows].contiguous(),
+            )
+            for grad, part_grad in ((grads[0], dq1), (grads[2], dq2)):
+                if grad is not None:
+                    grad[rows] += part_grad
+            return {i: (dk1, dk2)[i] for i in key_grads}
+
+        with on_device(q1), torch.no_grad():
+            _plan.run_backward(ctx, (k1, k2), _steps(checked), spec.causal, key_grads, block)
+    return tuple(g.to(t.dtype) if g is not None else None for g, t in zip(grads, inputs))
 
 
-def _accumulate_dq(grads, parts, step, call) -> None:
-    for i in (0, 2):
-        if grads[i] is not None:
-            grads[i][:, step.q, call.rows] += parts[i]
+def check(group, q1, k1, q2, k2, causal, scale1, scale2, cu_seqlens, max_seqlen, options, *, run: bool):
+    """Validates a call: with `run` (real tensors about to run) on every rank, agreed across the
+    group, selecting the backend; else (traced) this rank's checks that need no communication."""
+
+    def local():
+        refuse_unsupported_autograd("distributed.attn_kl", q1, k1, q2, k2)
+        _validate.check_unpacked(cu_seqlens, max_seqlen)
+        spec = _checks.attn_kl_spec(q1, k1, q2, k2, causal=causal, scale1=scale1, scale2=scale2)
+        inputs = AttnKLInputs(q1, k1, q2, k2)
+        return _validate.check_attn_kl(group, spec, inputs, options, run=run)
+
+    return _validate.agree(group, local, WHAT) if run else local()[0]
 
 
-def _key_heads(step: HeadStep, i: int) -> slice:
-    """The key heads of gradient `i` (1: dk1, 3: dk2) in head step `step`."""
-    return step.k1 if i == 1 else step.k2
-
-
-def _backward_allgather(grad, q1, k1, q2, k2, kl, lse1, lse2, p: _Problem, needs, grads, steps):
-    n = q1.shape[2]
-    chunk = n // chunks_per_rank(p.layout)
-    owner = owners(p.layout, p.world)
-    wanted = [i for i in (1, 3) if needs[i]]
-    in_flight = []  # the previous head step's reduce-scatters: two steps' dk buffers live at most
-    for step, key_chunks, key1, key2 in _key_blocks(p, k1, k2, steps):
-        keys = {1: key1, 3: key2}
-        # the dk partials of every rank's keys, stored by owner: (world, B, Hk, N_local, D), so that
-        # one reduce-scatter hands each owner the sum over all ranks
-        by_owner = {
-            i: grads[i].new_zeros((p.world, keys[i].shape[0], keys[i].shape[1], n, keys[i].shape[3]))
-            for i in wanted
-        }
-        for call in plan(_local_chunks(p), key_chunks, chunk, p.causal):
-            parts = _block_backward(grad, q1, q2, kl, lse1, lse2, key1, key2, step, call, p, needs)
-            _accumulate_dq(grads, parts, step, call)
-            for i, buffer in by_owner.items():
-                for c in range(call.keys // chunk):
-                    rank, slot = owner[key_chunks[c]]
-                    buffer[rank, :, :, slot * chunk : (slot + 1) * chunk] += parts[i][
-                        :, :, c * chunk : (c + 1) * chunk
-                    ]
-        _finish_reduce_scatters(in_flight, grads)
-        in_flight = [
-            (reduce_scatter(buffer, p.group, p.world), i, _key_heads(step, i), buffer)
-            for i, buffer in by_owner.items()
-        ]
-        del by_owner, keys
-    _finish_reduce_scatters(in_flight, grads)
-
-
-def _finish_reduce_scatters(in_flight, grads) -> None:
-    for (request, out), i, heads, _ in in_flight:
-        if request is not None:
-            request.wait()
-        grads[i][:, heads] += out
-
-
-def _backward_ring(grad, q1, k1, q2, k2, kl, lse1, lse2, p: _Problem, needs, grads, steps):
-    chunk = q1.shape[2] // chunks_per_rank(p.layout)
-    wanted = [i for i in (1, 3) if needs[i]]
-    for step in steps:
-        requests, sent, arriving = [], [], []
-        for _, key_chunks, key1, key2 in _key_blocks(p, k1, k2, [step]):
-            keys = {1: key1, 3: key2}
-            partial = [
-                torch.zeros(keys[i].shape, dtype=grads[i].dtype, device=keys[i].device) for i in wanted
-            ]
-            for call in plan(_local_chunks(p), key_chunks, chunk, p.causal):
-                parts = _block_backward(grad, q1, q2, kl, lse1, lse2, key1, key2, step, call, p, needs)
-                _accumulate_dq(grads, parts, step, call)
-                for buffer, i in zip(partial, wanted):
-                    buffer[:, :, : call.keys] += parts[i]
-            # the dk partials of this block's keys travel one hop behind the keys: add what the
-            # previous rank sent for this block, pass the sum on (docs/distributed.md, Ring)
-            for request in requests:
-                request.wait()
-            for buffer, arrived in zip(partial, arriving):
-                buffer += arrived
-            if p.world == 1:
-                arriving = partial
-                continue
-            sent, arriving = partial, [torch.empty_like(buffer) for buffer in partial]
-            requests = p2p(sent, arriving, p.group, p.rank, p.world, TAG_DK)
-        for request in requests:
-            request.wait()
-        del sent
-        # after `world` hops the partials of this rank's own keys are home, summed over all ranks
-        for arrived, i in zip(arriving, wanted):
-            grads[i][:, _key_heads(step, i)] += arrived
-
-
-# --- the registered ops -----------------------------------------------------------------------
-
-
-def _problem(group_name, layout, comm, causal, scale1, scale2, heads_per_step, backend) -> _Problem:
-    group = group_by_name(group_name)
-    return _Problem(
-        group,
-        layout,
-        comm,
-        causal,
-        scale1,
-        scale2,
-        heads_per_step,
-        backend,
-        dist.get_world_size(group),
-        dist.get_rank(group),
-    )
+# --- the registered ops (torch.compile) ----------------------------------------------------------
 
 
 @torch.library.custom_op("streamkl::cp_attn_kl_fwd", mutates_args=())
@@ -241,60 +143,21 @@ def cp_attn_kl_fwd(
     scale1: float,
     scale2: float,
     heads_per_step: int,
-    backend: str | None,
-    grad_flags: list[bool],
+    backend: str,
+    requires_grad: list[bool],
     reduction: str,
-    verify: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """The local rows' (kl, lse1, lse2) over the whole sequence. `verify`: run the cross-rank
-    checks here (a compiled call, whose Python wrapper ran at trace time)."""
+    """The local rows' (kl, lse1, lse2) over the whole sequence. A traced call's Python wrapper
+    ran at trace time, so the cross-rank checks run here, on every call."""
     group = group_by_name(group_name)
-    if verify:
-        agree(
-            group,
-            lambda: check_local(
-                group,
-                q1,
-                k1,
-                q2,
-                k2,
-                causal,
-                layout,
-                comm,
-                scale1,
-                scale2,
-                reduction,
-                heads_per_step,
-                None,
-                None,
-                backend,
-                grad_flags,
-            ),
-            "streamkl.distributed.attn_kl",
-        )
-    p = _problem(group_name, layout, comm, causal, scale1, scale2, heads_per_step, backend)
-    return _forward(q1, k1, q2, k2, p)
+    options = _validate.Options(layout, comm, heads_per_step, reduction, backend, tuple(requires_grad))
+    checked = check(group, q1, k1, q2, k2, causal, scale1, scale2, None, None, options, run=True)
+    return tuple(run_forward(checked, _plan.context(group, layout, comm), AttnKLInputs(q1, k1, q2, k2)))
 
 
 @cp_attn_kl_fwd.register_fake
-def _(
-    q1,
-    k1,
-    q2,
-    k2,
-    group_name,
-    layout,
-    comm,
-    causal,
-    scale1,
-    scale2,
-    heads_per_step,
-    backend,
-    grad_flags,
-    reduction,
-    verify,
-):
-    dtype = _ops.out_dtype(q1, q2)
+def _(q1, k1, q2, k2, *options):
+    dtype = out_dtype(q1, q2)
     return tuple(q1.new_empty(q1.shape[:3], dtype=dtype) for _ in range(3))
 
 
@@ -315,35 +178,25 @@ def cp_attn_kl_bwd(
     scale1: float,
     scale2: float,
     heads_per_step: int,
-    backend: str | None,
+    backend: str,
     needs: list[bool],
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(dq1, dk1, dq2, dk2) of this rank's shards; an unneeded gradient is an empty tensor."""
-    p = _problem(group_name, layout, comm, causal, scale1, scale2, heads_per_step, backend)
-    grad_kl = grad_kl.to(kl.dtype)
-    return _backward(grad_kl, q1, k1, q2, k2, kl, lse1, lse2, p, needs)
+    """(dq1, dk1, dq2, dk2) of this rank's shards; an unneeded gradient is an empty tensor. Takes
+    what cp_attn_kl_fwd validated: the spec is read off the shapes, the backend selected once."""
+    group = group_by_name(group_name)
+    inputs = AttnKLInputs(q1, k1, q2, k2)
+    call = dict(causal=causal, scale1=scale1, scale2=scale2, cu_seqlens=None, max_seqlen=None)
+    spec = _checks.attn_kl_spec_of_saved(q1, k1, q2, k2, **call).with_needs(needs)
+    impl = _dispatch.select(OP, spec, inputs, backend)
+    checked = _validate.Checked(spec, heads_per_step, backend, impl)
+    stats = AttnKLStats(kl, lse1, lse2)
+    grads = run_backward(checked, _plan.context(group, layout, comm), inputs, stats, grad_kl)
+    return tuple(g if g is not None else t.new_empty(0) for g, t in zip(grads, inputs))
 
 
 @cp_attn_kl_bwd.register_fake
-def _(
-    grad_kl,
-    q1,
-    k1,
-    q2,
-    k2,
-    kl,
-    lse1,
-    lse2,
-    group_name,
-    layout,
-    comm,
-    causal,
-    scale1,
-    scale2,
-    heads_per_step,
-    backend,
-    needs,
-):
+def _(grad_kl, q1, k1, q2, k2, kl, lse1, lse2, *options):
+    needs = options[-1]
     return tuple(t.new_empty(t.shape if need else (0,)) for t, need in zip((q1, k1, q2, k2), needs))
 
 
@@ -355,14 +208,14 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(lse1, lse2)
 
 
-def _cp_backward(ctx, grad_kl, grad_lse1, grad_lse2):
+def _op_backward(ctx, grad_kl, grad_lse1, grad_lse2):
     q1, k1, q2, k2, kl, lse1, lse2 = ctx.saved_tensors
     needs = list(ctx.needs_input_grad[:4])
     grads = cp_attn_kl_bwd(grad_kl, q1, k1, q2, k2, kl, lse1, lse2, *ctx.options, needs)
-    return (*(g if need else None for g, need in zip(grads, needs)),) + (None,) * 11
+    return (*(g if need else None for g, need in zip(grads, needs)),) + (None,) * 10
 
 
-cp_attn_kl_fwd.register_autograd(_cp_backward, setup_context=_setup_context)
+cp_attn_kl_fwd.register_autograd(_op_backward, setup_context=_setup_context)
 
 
 @torch.library.custom_op("streamkl::cp_sum", mutates_args=())
@@ -370,11 +223,84 @@ def cp_sum(x: Tensor, group_name: str) -> Tensor:
     """The sum of `x` over the ranks of the group (an all-reduce), the same on every rank."""
     out = x.clone()
     group = group_by_name(group_name)
-    if dist.get_world_size(group) > 1:
-        dist.all_reduce(out, group=group)
+    if torch.distributed.get_world_size(group) > 1:
+        torch.distributed.all_reduce(out, group=group)
     return out
 
 
 @cp_sum.register_fake
 def _(x, group_name):
     return torch.empty_like(x)
+
+
+# --- the eager path ---------------------------------------------------------------------------
+
+
+class _AttnKL(torch.autograd.Function):
+    """run_forward / run_backward for a validated eager call: one node, the checked spec and
+    backend reused by the backward."""
+
+    @staticmethod
+    def forward(ctx, checked, cp, q1, k1, q2, k2):
+        stats = run_forward(checked, cp, AttnKLInputs(q1, k1, q2, k2))
+        ctx.save_for_backward(q1, k1, q2, k2, *stats)
+        ctx.call = (checked, cp)
+        ctx.mark_non_differentiable(stats.lse1, stats.lse2)
+        return stats.kl
+
+    @staticmethod
+    def backward(ctx, grad_kl):
+        q1, k1, q2, k2, kl, lse1, lse2 = ctx.saved_tensors
+        checked, cp = ctx.call
+        checked = checked._replace(spec=checked.spec.with_needs(ctx.needs_input_grad[2:6]))
+        grads = run_backward(checked, cp, AttnKLInputs(q1, k1, q2, k2), AttnKLStats(kl, lse1, lse2), grad_kl)
+        return (None, None, *once_differentiable("distributed.attn_kl", grads))
+
+
+def _traced(*tensors) -> bool:
+    """True when the call is being traced or intercepted (torch.compile, a dispatch mode, a
+    tensor subclass): then the custom ops run it. Non-tensor arguments count as plain, so that
+    their errors are agreed across ranks."""
+    return (
+        torch.compiler.is_compiling()
+        or torch._C._len_torch_dispatch_stack() > 0
+        or any(isinstance(t, Tensor) and type(t) is not Tensor for t in tensors)
+    )
+
+
+def attn_kl(
+    q1, k1, q2, k2, *, group, causal, layout, comm, scale1, scale2, reduction, heads_per_step, cu_seqlens,
+    max_seqlen, backend,
+):  # fmt: skip
+    """The public call's body (docstring in streamkl/distributed/__init__.py)."""
+    group = resolve_group(group)
+    requires_grad = tuple(
+        torch.is_grad_enabled() and isinstance(t, Tensor) and t.requires_grad for t in (q1, k1, q2, k2)
+    )
+    options = _validate.Options(layout, comm, heads_per_step, reduction, backend, requires_grad)
+    call = (group, q1, k1, q2, k2, causal, scale1, scale2, cu_seqlens, max_seqlen, options)
+    if _traced(q1, k1, q2, k2):
+        # checks that need no communication run at trace time; the cross-rank ones inside the op
+        checked = check(*call, run=False)
+        spec = checked.spec
+        kl, _, _ = cp_attn_kl_fwd(
+            q1, k1, q2, k2, group.group_name, layout, comm, causal, spec.scale1, spec.scale2,
+            checked.heads_per_step, checked.backend, list(requires_grad), reduction,
+        )  # fmt: skip
+    else:
+        checked = check(*call, run=True)
+        cp = _plan.context(group, layout, comm)
+        if any(requires_grad):
+            kl = _AttnKL.apply(checked, cp, q1, k1, q2, k2)
+        else:
+            kl = run_forward(checked, cp, AttnKLInputs(q1, k1, q2, k2)).kl
+    if reduction == "none":
+        return kl
+    local_sum = kl.sum()
+    # the global value, bit-identical on every rank; its gradient reaches this rank's rows only,
+    # since every rank's backward starts from the same global loss (docs/distributed.md, Reductions)
+    total = cp_sum(local_sum.detach(), group.group_name) + (local_sum - local_sum.detach())
+    if reduction == "sum":
+        return total
+    world = torch.distributed.get_world_size(group)
+    return total / max(kl.numel() * world, 1)  # causal: every row sees its own key

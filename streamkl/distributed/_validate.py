@@ -1,6 +1,13 @@
 """Cross-rank validation (docs/distributed.md, Errors): every rank checks its own arguments, then
-one all-gather of the outcomes makes any rank's error, or any metadata that differs between
-ranks, raise the same error on every rank before any data collective."""
+one exchange of the outcomes makes any rank's error, or any metadata that differs between ranks,
+raise the same error on every rank before any data collective.
+
+    agree            the exchange, for any op's local checks
+    check_comm, check_unpacked, check_shard_lengths, check_group_device
+                     the context-parallel rules every op shares
+    check_attn_kl    one rank's checks of an attn_kl call: its spec (built and validated by
+                     streamkl._checks) plus the context-parallel options; selects the backend
+"""
 
 from __future__ import annotations
 
@@ -8,10 +15,10 @@ import math
 from collections.abc import Callable
 from typing import NamedTuple
 
-import torch
 import torch.distributed as dist
 
 from .. import _checks, _dispatch, _env
+from .._spec import AttnKLInputs, AttnKLSpec
 from ._comm import COMMS
 from ._layout import check_layout, chunks_per_rank
 
@@ -63,57 +70,72 @@ def check_comm(comm) -> None:
         raise ValueError(f"comm must be one of {COMMS}, got {comm!r}")
 
 
-class Options(NamedTuple):
-    """A validated call's resolved settings."""
-
-    scale1: float
-    scale2: float
-    heads_per_step: int
-    world: int
-
-
-def check_local(
-    group,
-    q1,
-    k1,
-    q2,
-    k2,
-    causal,
-    layout,
-    comm,
-    scale1,
-    scale2,
-    reduction,
-    heads_per_step,
-    cu_seqlens,
-    max_seqlen,
-    backend,
-    grad_flags,
-) -> tuple[Options, dict]:
-    """Everything one rank can check alone; raises ValueError/TypeError naming the argument."""
-    check_layout(layout)
-    check_comm(comm)
+def check_unpacked(cu_seqlens, max_seqlen) -> None:
     if cu_seqlens is not None or max_seqlen is not None:
         raise ValueError(
             "cu_seqlens / max_seqlen: packed sequences are not supported with context parallelism "
             "yet (docs/distributed.md, What is supported); pass one sequence per batch entry"
         )
-    problem = _checks.check_inputs(q1, k1, q2, k2)
-    s1, s2 = _checks.check_options(causal, scale1, scale2, reduction, problem.d1, problem.d2)
-    if problem.nk != problem.nq:
+
+
+def check_shard_lengths(layout: str, nq: int, nk: int) -> None:
+    """Queries and keys cover the same tokens, cut into the layout's equal chunks."""
+    if nk != nq:
         raise ValueError(
-            f"k1 and k2 hold {problem.nk} keys but q1 and q2 hold {problem.nq} rows: with context "
+            f"k1 and k2 hold {nk} keys but q1 and q2 hold {nq} rows: with context "
             "parallelism each rank passes the same token range of queries and keys"
         )
     per_rank = chunks_per_rank(layout)
-    if problem.nq % per_rank != 0:
+    if nq % per_rank != 0:
         raise ValueError(
             f"layout={layout!r} stores {per_rank} equal chunks per rank; the local length "
-            f"{problem.nq} is not a multiple of {per_rank}"
+            f"{nq} is not a multiple of {per_rank}"
         )
-    unit = math.lcm(problem.heads // problem.heads_kv1, problem.heads // problem.heads_kv2)
+
+
+def check_group_device(group, device_type: str) -> None:
+    if dist.get_backend(group) == "nccl" and device_type != "cuda":
+        raise ValueError(
+            f"the group's backend is nccl, which needs CUDA tensors; the inputs are on {device_type}"
+        )
+
+
+class Options(NamedTuple):
+    """The context-parallel options of a call, as its caller passed them."""
+
+    layout: str
+    comm: str
+    heads_per_step: int | None
+    reduction: str
+    backend: str | None
+    requires_grad: tuple[bool, ...]
+
+
+class Checked(NamedTuple):
+    """A validated call: its spec, the query heads per pass over the keys, the backend that runs
+    every block: its name (STREAMKL_BACKEND resolved) and, where the call runs now rather than
+    being traced, its implementation."""
+
+    spec: AttnKLSpec
+    heads_per_step: int
+    backend: str
+    impl: object | None
+
+
+def check_attn_kl(group, spec: AttnKLSpec, inputs: AttnKLInputs, options: Options, *, run: bool):
+    """Everything one rank can check alone of an attn_kl call whose spec streamkl._checks built;
+    raises ValueError/TypeError naming the argument. Returns (Checked, the metadata every rank
+    must share). `run`: the inputs are real tensors about to run (not traced), so the backend
+    is selected here, once for every block: a block is a slice of the local call (the same
+    dtypes and device, strides of the same alignment), so a backend that runs the call runs it."""
+    check_layout(options.layout)
+    check_comm(options.comm)
+    _checks.check_reduction(options.reduction)
+    check_shard_lengths(options.layout, spec.nq, spec.nk)
+    unit = math.lcm(spec.group1, spec.group2)
+    heads_per_step = options.heads_per_step
     if heads_per_step is None:
-        heads_per_step = problem.heads
+        heads_per_step = spec.heads
     elif isinstance(heads_per_step, bool) or not isinstance(heads_per_step, int):
         raise TypeError(f"heads_per_step must be an int or None, got {type(heads_per_step).__name__}")
     elif heads_per_step < 1 or heads_per_step % unit != 0:
@@ -121,31 +143,26 @@ def check_local(
             f"heads_per_step must be a positive multiple of {unit} (the query heads that share "
             f"a key head of k1 and of k2), got {heads_per_step}"
         )
-    device_type = q1.device.type
-    if torch.compiler.is_compiling():
-        _dispatch.check_name(backend)  # the rest runs again inside the op, at run time
-    else:
+    name = _dispatch.check_name(options.backend)
+    impl = None
+    device_type = inputs.q1.device.type
+    if run:
         _env.check_all()
-        _dispatch.select(q1, k1, q2, k2, None, backend)  # a named backend that cannot run raises here
-        if dist.get_backend(group) == "nccl" and device_type != "cuda":
-            raise ValueError(
-                f"the group's backend is nccl, which needs CUDA tensors; the inputs are on {device_type}"
-            )
+        impl = _dispatch.select("attn_kl", spec, inputs, name)  # a named backend that cannot run raises
+        check_group_device(group, device_type)
+    tensors = dict(zip(("q1", "k1", "q2", "k2"), inputs))
     meta = {
-        "local sequence length": problem.nq,
-        "q1 shape": tuple(q1.shape),
-        "k1 shape": tuple(k1.shape),
-        "q2 shape": tuple(q2.shape),
-        "k2 shape": tuple(k2.shape),
-        "dtypes": tuple(str(t.dtype) for t in (q1, k1, q2, k2)),
+        "local sequence length": spec.nq,
+        **{f"{arg} shape": tuple(t.shape) for arg, t in tensors.items()},
+        "dtypes": tuple(str(t.dtype) for t in tensors.values()),
         "device type": device_type,
-        "causal": causal,
-        "layout": layout,
-        "comm": comm,
-        "scale1": s1,
-        "scale2": s2,
-        "reduction": reduction,
+        "causal": spec.causal,
+        "layout": options.layout,
+        "comm": options.comm,
+        "scale1": spec.scale1,
+        "scale2": spec.scale2,
+        "reduction": options.reduction,
         "heads_per_step": heads_per_step,
-        "requires_grad": tuple(grad_flags),
+        "requires_grad": tuple(options.requires_grad),
     }
-    return Options(s1, s2, min(heads_per_step, problem.heads), dist.get_world_size(group)), meta
+    return Checked(spec, min(heads_per_step, spec.heads), name, impl), meta
