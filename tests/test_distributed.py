@@ -17,6 +17,8 @@ import datetime
 import math
 import os
 import queue as queue_module
+import subprocess
+import sys
 import time
 import traceback
 
@@ -538,6 +540,79 @@ def test_processes_finish(world_outcomes, world):
     ]
     assert not errors, "\n".join(errors)
     assert ("<exit>", -1) not in outcomes, outcomes.get(("<exit>", -1))
+
+
+# A rank of a 2-rank gloo group in a fresh interpreter where numpy cannot be imported, as after
+# the README's install (torch and streamkl, no numpy): a differentiable call under both forms, an
+# unshard, and an error agreed across ranks.
+WITHOUT_NUMPY = """
+import sys
+
+sys.modules["numpy"] = None  # `import numpy` raises ImportError from here on
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+import streamkl
+from streamkl import distributed as cp
+
+rank, world, init_file = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+timeout = datetime.timedelta(seconds=float(sys.argv[4]))
+init = f"file://{init_file}"
+dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=timeout)
+gen = torch.Generator().manual_seed(0)
+full = [torch.randn(1, 2, 4 * world, 8, generator=gen, dtype=torch.float64) for _ in range(4)]
+local = [cp.shard(t).requires_grad_() for t in full]
+for comm in ("allgather", "ring"):
+    cp.attn_kl(*local, causal=True, comm=comm, reduction="mean").backward()
+kl = cp.unshard(cp.attn_kl(*(t.detach() for t in local), causal=True))
+torch.testing.assert_close(kl, streamkl.attn_kl(*full, causal=True))
+try:
+    cp.attn_kl(*local, causal=rank == 0)
+except ValueError as exc:
+    assert "causal differs across ranks" in str(exc), exc
+else:
+    raise AssertionError("causal differs across ranks: nothing raised")
+dist.destroy_process_group()
+print("ok", flush=True)
+os._exit(0)  # past gloo's teardown, which at times aborts a finished process (see _worker)
+"""
+
+
+def test_runs_without_numpy(tmp_path):
+    """streamkl.distributed needs torch alone: its cross-rank checks exchange tensors, not Python
+    objects (torch's object collectives need numpy)."""
+    script = tmp_path / "without_numpy.py"
+    script.write_text(WITHOUT_NUMPY)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    world = 2
+    args = [str(world), str(tmp_path / "init"), str(COLLECTIVE_TIMEOUT_S)]
+    processes = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(rank), *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for rank in range(world)
+    ]
+    deadline = time.monotonic() + DEADLINE_S
+    outputs = []
+    try:
+        for process in processes:
+            outputs.append(process.communicate(timeout=max(1.0, deadline - time.monotonic())))
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.communicate()
+    for rank, (process, (out, err)) in enumerate(zip(processes, outputs)):
+        assert process.returncode == 0 and out.strip() == "ok", f"rank {rank}:\n{out}\n{err}"
 
 
 def test_plan_causal_blocks():

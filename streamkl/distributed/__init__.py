@@ -48,7 +48,7 @@ def unshard(x: Tensor, layout: str = "zigzag", group=None, dim: int = 2) -> Tens
     """The full tensor from every rank's shard `x` (the inverse of `shard`), on every rank.
 
     A collective: every rank of `group` calls it. Shapes, dtypes and device types are compared
-    across ranks first (one small all-gather), so a mismatch raises on every rank. The result
+    across ranks first (two small all-gathers), so a mismatch raises on every rank. The result
     carries no autograd history."""
     group = _comm.resolve_group(group)
     world = torch.distributed.get_world_size(group)

@@ -67,6 +67,28 @@ def all_gather(t: Tensor, group, world: int, async_op: bool = False):
     return (work, out) if async_op else out
 
 
+def host_device(group) -> torch.device:
+    """Where small host data travels on `group`: the current GPU if the group moves CUDA
+    tensors only (NCCL), else the CPU."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_gather_bytes(payload: bytes, group, world: int) -> list[bytes]:
+    """Every rank's `payload`, by rank: an all-gather of the lengths, then one of the bytes padded
+    to the longest. Tensors only: torch's object collectives need numpy, which streamkl does not."""
+    if world == 1:
+        return [payload]
+    device = host_device(group)
+    sizes = all_gather(torch.tensor([len(payload)], dtype=torch.int64, device=device), group, world)
+    sizes = sizes.view(-1).tolist()
+    padded = torch.zeros(max(sizes), dtype=torch.uint8, device=device)
+    padded[: len(payload)] = torch.tensor(list(payload), dtype=torch.uint8)
+    gathered = all_gather(padded, group, world).cpu()
+    return [bytes(gathered[rank, :size].tolist()) for rank, size in enumerate(sizes)]
+
+
 def reduce_scatter(by_owner: Tensor, group, world: int):
     """Posts the sum over ranks of by_owner[this rank]; returns (request or None, the result)."""
     out = by_owner.new_empty(by_owner.shape[1:])

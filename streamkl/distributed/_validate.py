@@ -11,6 +11,7 @@ raise the same error on every rank before any data collective.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable
 from typing import NamedTuple
@@ -19,7 +20,7 @@ import torch.distributed as dist
 
 from .. import _checks, _dispatch, _env
 from .._spec import AttnKLInputs, AttnKLSpec
-from ._comm import COMMS
+from ._comm import COMMS, all_gather_bytes
 from ._layout import check_layout, chunks_per_rank
 
 _ERROR_TYPES = {"ValueError": ValueError, "TypeError": TypeError, "RuntimeError": RuntimeError}
@@ -31,8 +32,8 @@ _MISMATCH_HINTS = {
 
 
 def agree(group, local: Callable[[], tuple], what: str):
-    """Runs the local checks on every rank, then one all-gather of their outcome (an error or
-    a small dict of metadata): any rank's error, or any metadata that differs between ranks,
+    """Runs the local checks on every rank, then one exchange of their outcome (an error or a
+    small dict of metadata): any rank's error, or any metadata that differs between ranks,
     raises the same error on every rank, before any data collective. Returns what `local`
     returned besides the metadata."""
     try:
@@ -40,27 +41,37 @@ def agree(group, local: Callable[[], tuple], what: str):
         error = None
     except Exception as exc:  # travels to the other ranks, which would otherwise wait forever
         meta, error, raised = None, (type(exc).__name__, str(exc)), exc
-    world = dist.get_world_size(group)
-    outcomes: list = [None] * world
-    if world == 1:
-        outcomes[0] = (meta, error)
-    else:
-        dist.all_gather_object(outcomes, (meta, error), group=group)
-    for rank, (_, rank_error) in enumerate(outcomes):
-        if rank_error is not None:
-            kind = _ERROR_TYPES.get(rank_error[0], RuntimeError)
-            exc = kind(f"{what}: rank {rank} of the group: {rank_error[1]}")
+    outcomes = _exchange(group, {"meta": meta, "error": error})
+    for rank, outcome in enumerate(outcomes):
+        if outcome["error"] is not None:
+            kind_name, message = outcome["error"]
+            exc = _ERROR_TYPES.get(kind_name, RuntimeError)(f"{what}: rank {rank} of the group: {message}")
             if error is not None:
                 raise exc from raised
             raise exc
-    first = outcomes[0][0]
-    for key in first:
-        values = [rank_meta[key] for rank_meta, _ in outcomes]
+    for key in outcomes[0]["meta"]:
+        values = [outcome["meta"][key] for outcome in outcomes]
         if any(value != values[0] for value in values):
             listing = ", ".join(f"rank {rank}: {value}" for rank, value in enumerate(values))
             hint = _MISMATCH_HINTS.get(key, "")
             raise ValueError(f"{what}: {key} differs across ranks ({listing}){hint}")
     return result
+
+
+def _exchange(group, outcome: dict) -> list[dict]:
+    """Every rank's outcome, by rank, as JSON in a byte tensor (lists read back as tuples, floats
+    exactly: JSON writes their shortest round-trip form)."""
+    world = dist.get_world_size(group)
+    payload = json.dumps(outcome).encode()
+    return [json.loads(data, object_hook=_tuples) for data in all_gather_bytes(payload, group, world)]
+
+
+def _tuples(obj: dict) -> dict:
+    return {key: _as_tuple(value) for key, value in obj.items()}
+
+
+def _as_tuple(value):
+    return tuple(_as_tuple(v) for v in value) if isinstance(value, list) else value
 
 
 def check_comm(comm) -> None:
