@@ -23,7 +23,7 @@ from .._spec import AttnKLInputs, AttnKLSpec
 from ._comm import COMMS, all_gather_bytes
 from ._layout import check_layout, chunks_per_rank
 
-_ERROR_TYPES = {"ValueError": ValueError, "TypeError": TypeError, "RuntimeError": RuntimeError}
+_ERROR_TYPES = {kind.__name__: kind for kind in (ValueError, TypeError, RuntimeError, NotImplementedError)}
 
 _MISMATCH_HINTS = {
     "local sequence length": "; every rank holds an equal shard of the sequence",
@@ -93,8 +93,8 @@ def check_shard_lengths(layout: str, nq: int, nk: int) -> None:
     """Queries and keys cover the same tokens, cut into the layout's equal chunks."""
     if nk != nq:
         raise ValueError(
-            f"k1 and k2 hold {nk} keys but q1 and q2 hold {nq} rows: with context "
-            "parallelism each rank passes the same token range of queries and keys"
+            f"the keys hold {nk} tokens but the queries {nq}: with context parallelism each rank "
+            "passes the same token range of queries and keys"
         )
     per_rank = chunks_per_rank(layout)
     if nq % per_rank != 0:
