@@ -1,6 +1,8 @@
 """nox sessions. `nox -s tests` is what CI runs (CPU only); the GPU sessions reuse the machine's
 own CUDA torch and triton instead of installing a CPU build."""
 
+import os
+
 import nox
 
 nox.options.sessions = ["tests"]
@@ -8,6 +10,9 @@ nox.options.default_venv_backend = "venv"
 
 # The CPU build that lies on these machines' disk; an unpinned resolve pulls gigabytes of CUDA.
 TORCH_CPU = "torch==2.13.0"
+# The oldest torch pyproject.toml admits, CPU build, from PyTorch's own index.
+TORCH_MIN_CPU = "torch==2.11.0+cpu"
+TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 
 
 @nox.session
@@ -15,6 +20,16 @@ def tests(session):
     """The CPU suite: reference, op, compile, errors, hypothesis, triton interpreter, bench smoke."""
     session.install(TORCH_CPU)
     session.install("-e", ".[test,triton,bench,cuda]")
+    session.run("pytest", "-q", *session.posargs, env={"HYPOTHESIS_PROFILE": "ci", "PYTHONUNBUFFERED": "1"})
+
+
+@nox.session
+def tests_torch_min(session):
+    """The CPU suite on the oldest torch pyproject.toml admits (not a default session: it fetches
+    torch from PyTorch's CPU index)."""
+    session.install(TORCH_MIN_CPU, "--extra-index-url", TORCH_CPU_INDEX)
+    session.install("-e", ".[test,triton,bench,cuda]")
+    session.run("python", "-c", "import torch; print('torch', torch.__version__)")
     session.run("pytest", "-q", *session.posargs, env={"HYPOTHESIS_PROFILE": "ci", "PYTHONUNBUFFERED": "1"})
 
 
@@ -37,7 +52,9 @@ def bench(session):
 @nox.session
 def lint(session):
     session.install("ruff")
-    paths = ("streamkl", "tests", "benchmarks", "noxfile.py")
+    paths = [
+        p for p in ("streamkl", "tests", "benchmarks", "lab", "examples", "noxfile.py") if os.path.exists(p)
+    ]
     session.run("ruff", "check", *paths)
     session.run("ruff", "format", "--check", *paths)
 
@@ -54,3 +71,24 @@ def import_minimal(session):
         "print(streamkl.attn_kl(q, q, q.flip(2), q)); "
         "print(streamkl.available_backends(q, q, q, q))",
     )
+
+
+@nox.session
+def package(session):
+    """The wheel carries what runs from it: py.typed, the LICENSE and every CUDA kernel source."""
+    out = session.create_tmp()
+    session.run("python", "-m", "pip", "wheel", "--no-deps", "-q", "-w", out, ".")
+    session.run("python", "-c", _WHEEL_CHECK, out)
+
+
+# Run by `package`: every .cu/.cuh under the cuda backend's kernels/ must be in the wheel.
+_WHEEL_CHECK = """
+import pathlib, sys, zipfile
+(wheel,) = pathlib.Path(sys.argv[1]).glob("streamkl-*.whl")
+names = set(zipfile.ZipFile(wheel).namelist())
+kernels = pathlib.Path("streamkl/backends/cuda/kernels")
+want = {p.as_posix() for p in kernels.rglob("*") if p.suffix in (".cu", ".cuh")} | {"streamkl/py.typed"}
+missing = sorted(want - names) + ([] if any(n.endswith("licenses/LICENSE") for n in names) else ["LICENSE"])
+assert not missing, f"{wheel.name} lacks {missing}"
+print(wheel.name, "carries", len(want), "package files and the LICENSE")
+"""
