@@ -4,8 +4,9 @@
 A backend is a package under streamkl/backends/ (the reference lives in streamkl/reference/)
 with one module per op it implements, named as the op (`<backend>/attn_kl.py`) and imported by
 the package, and one line in streamkl._dispatch.BACKENDS. The module itself is the
-implementation: its functions and constants are the protocol's members. Importing the package needs torch alone: its optional dependency
-(triton, cuda-python) is imported inside `forward` / `backward` and probed by `supports`.
+implementation: its functions and constants are the protocol's members. Importing the package
+needs torch alone: its optional dependency (triton, cuda-python) is imported inside `forward` /
+`backward` and probed by `supports`.
 
 Inputs arrive validated (streamkl._checks): shapes, dtypes and devices agree, the spec's
 scales are floats and, for packed sequences, `max_seqlen` is a host int at least the longest

@@ -52,6 +52,8 @@ def supports(spec: AttnKLSpec, inputs: AttnKLInputs) -> str | None:
             f"triton backend runs CUDA tensors (got {device.type}; "
             "TRITON_INTERPRET=1 allows CPU tensors for tests)"
         )
+    elif q1.dtype == torch.bfloat16:  # the interpreter's bfloat16 tl.dot does not round as a GPU's does
+        return "triton's interpreter (CPU tensors) runs float32/float16 only, got bfloat16"
     return None
 
 
