@@ -5,7 +5,7 @@ cuda-python are imported only when their backend runs.
 """
 
 from ._dispatch import BACKENDS
-from .api import attn_kl, available_backends
+from .api import attn_kl, available_backends, indexer_kl
 
-__all__ = ["BACKENDS", "attn_kl", "available_backends"]
+__all__ = ["BACKENDS", "attn_kl", "available_backends", "indexer_kl"]
 __version__ = "0.1.0"

@@ -8,7 +8,7 @@ import weakref
 
 import torch
 
-from ._spec import AttnKLSpec
+from ._spec import AttnKLSpec, IndexerKLSpec
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 REDUCTIONS = ("none", "sum", "mean")
@@ -261,3 +261,152 @@ def resolve_scale(scale, head_dim: int, name: str) -> float:
     if not math.isfinite(scale):
         raise ValueError(f"{name} must be finite, got {scale}")
     return float(scale)
+
+
+# --- indexer_kl -------------------------------------------------------------------------------
+
+_INDEX_DTYPES = (torch.int32, torch.int64)
+_LSE_DTYPES = (torch.float32, torch.float64)
+
+# (batch, heads, heads_kv, index_heads, nq, nk, d, di) of one indexer_kl call.
+IndexerSizes = tuple[int, int, int, int, int, int, int, int]
+
+
+def indexer_kl_spec(
+    q, k, qi, ki, w, *, lse, topk, causal, scale, cu_seqlens=None, max_seqlen=None, read_values=True
+) -> IndexerKLSpec:
+    """Validates one indexer_kl call and builds its spec (docs/indexer.md, Errors).
+
+    read_values: read topk's range and cu_seqlens on the host (one sync each); False for fake or
+    traced calls, which validate metadata only and launch nothing (the registered op validates
+    the values when it runs)."""
+    sizes = check_indexer_inputs(q, k, qi, ki, w, lse, topk, cu_seqlens, max_seqlen)
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    scale = resolve_scale(scale, sizes[6], "scale")
+    if read_values and topk is not None:
+        check_topk_values(topk, sizes[5])
+    width = 0 if topk is None else topk.shape[2]
+    options = (causal, scale, width, topk is not None, lse is not None)
+    if cu_seqlens is None:
+        return IndexerKLSpec(*sizes, *options, sizes[0], None, False)
+    if read_values:
+        max_seqlen = resolve_max_seqlen(cu_seqlens, max_seqlen, sizes[4])
+    return IndexerKLSpec(*sizes, *options, cu_seqlens.shape[0] - 1, max_seqlen, True)
+
+
+def indexer_kl_spec_of_saved(
+    q, k, qi, ki, w, *, lse_given, topk, causal, scale, cu_seqlens, max_seqlen
+) -> IndexerKLSpec:
+    """The spec of a call indexer_kl_spec validated before (the compiled backward's saved
+    inputs): no rule re-checked; packed offsets come from the cache the forward filled."""
+    b, h, nq, d = q.shape
+    hk, nk = k.shape[1], k.shape[2]
+    g, di = qi.shape[1], qi.shape[3]
+    width = 0 if topk is None else topk.shape[2]
+    head = (b, h, hk, g, nq, nk, d, di, causal, scale, width, topk is not None, lse_given)
+    if cu_seqlens is None:
+        return IndexerKLSpec(*head, b, None, False)
+    max_seqlen = resolve_max_seqlen(cu_seqlens, max_seqlen, nq)
+    return IndexerKLSpec(*head, cu_seqlens.shape[0] - 1, max_seqlen, True)
+
+
+def check_indexer_inputs(
+    q, k, qi, ki, w, lse=None, topk=None, cu_seqlens=None, max_seqlen=None
+) -> IndexerSizes:
+    """Shapes, dtypes and devices of an indexer_kl call, rule by rule: the first one broken
+    raises, naming the argument. Metadata only: safe on fake tensors and under tracing."""
+    layouts = {
+        "q": (4, "4-D (B, H, Sq, D)"),
+        "k": (4, "4-D (B, H_kv, Sk, D) or 3-D (B, Sk, D)"),
+        "qi": (4, "4-D (B, G, Sq, Di)"),
+        "ki": (4, "4-D (B, 1, Sk, Di) or 3-D (B, Sk, Di)"),
+        "w": (3, "3-D (B, G, Sq)"),
+    }
+    tensors = dict(q=q, k=k, qi=qi, ki=ki, w=w)
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        dims, layout = layouts[name]
+        if t.dim() != dims:
+            raise ValueError(f"{name} must be {layout}, got shape {tuple(t.shape)}")
+        if t.dtype not in _DTYPES:
+            raise TypeError(
+                f"{name} has dtype {t.dtype}; expected one of float16, bfloat16, float32, float64"
+            )
+    for q_name, k_name in (("q", "k"), ("qi", "ki")):
+        a, c = tensors[q_name], tensors[k_name]
+        if a.dtype != c.dtype:
+            raise TypeError(f"{q_name} and {k_name} must share a dtype, got {a.dtype} and {c.dtype}")
+        if a.shape[-1] != c.shape[-1]:
+            raise ValueError(
+                f"{q_name} and {k_name} must share the head dim, got {a.shape[-1]} and {c.shape[-1]}"
+            )
+        if a.shape[-1] == 0:
+            raise ValueError(f"{q_name} has head dim 0; expected at least 1")
+    devices = {t.device for t in tensors.values()}
+    if len(devices) != 1:
+        raise ValueError(f"q, k, qi, ki, w must be on one device, got {sorted(map(str, devices))}")
+    b, h, nq, d = q.shape
+    for name, t in tensors.items():
+        if t.shape[0] != b:
+            raise ValueError(f"{name} has batch {t.shape[0]}; expected {b} (the batch of q)")
+    if h == 0:
+        raise ValueError("q has 0 heads; the teacher's mixture needs at least 1")
+    hk, nk = k.shape[1], k.shape[2]
+    if hk == 0 or h % hk != 0:
+        raise ValueError(f"k has {hk} heads; the {h} query heads of q must be a multiple of it")
+    g = qi.shape[1]
+    if qi.shape[2] != nq:
+        raise ValueError(f"qi has {qi.shape[2]} query rows; expected Sq = {nq} like q")
+    if g == 0:
+        raise ValueError("qi has 0 indexer heads; expected at least 1")
+    if ki.shape[1] != 1:
+        raise ValueError(f"ki must have one head (B, 1, Sk, Di), got {ki.shape[1]} heads")
+    if ki.shape[2] != nk:
+        raise ValueError(f"ki has {ki.shape[2]} keys; expected Sk = {nk} like k")
+    if tuple(w.shape) != (b, g, nq):
+        raise ValueError(f"w must be (B, G, Sq) = {(b, g, nq)} like qi, got {tuple(w.shape)}")
+    device = q.device
+    if lse is not None:
+        if not isinstance(lse, torch.Tensor):
+            raise TypeError(f"lse must be a torch.Tensor or None, got {type(lse).__name__}")
+        if lse.dtype not in _LSE_DTYPES:
+            raise TypeError(f"lse has dtype {lse.dtype}; expected float32 or float64 (natural log)")
+        if tuple(lse.shape) != (b, h, nq):
+            raise ValueError(f"lse must be (B, H, Sq) = {(b, h, nq)} like q, got {tuple(lse.shape)}")
+        if lse.device != device:
+            raise ValueError(f"lse is on {lse.device}; expected {device} like q")
+    if topk is not None:
+        if not isinstance(topk, torch.Tensor):
+            raise TypeError(f"topk must be a torch.Tensor or None, got {type(topk).__name__}")
+        if topk.dtype not in _INDEX_DTYPES:
+            raise TypeError(f"topk has dtype {topk.dtype}; expected int32 or int64")
+        if topk.dim() != 3 or tuple(topk.shape[:2]) != (b, nq):
+            raise ValueError(f"topk must be (B, Sq, K) with (B, Sq) = {(b, nq)}, got {tuple(topk.shape)}")
+        if topk.device != device:
+            raise ValueError(f"topk is on {topk.device}; expected {device} like q")
+    if cu_seqlens is not None:
+        if isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.device != device:
+            raise ValueError(f"cu_seqlens is on {cu_seqlens.device}; expected {device} like q")
+        _check_cu_seqlens_meta(cu_seqlens, b, nq, nk, device)
+        if max_seqlen is not None and (
+            isinstance(max_seqlen, bool) or not isinstance(max_seqlen, (int, torch.SymInt)) or max_seqlen < 0
+        ):
+            raise ValueError(f"max_seqlen must be a non-negative int, got {max_seqlen!r}")
+    elif max_seqlen is not None:
+        raise ValueError("max_seqlen is only meaningful with cu_seqlens")
+    return (b, h, hk, g, nq, nk, d, qi.shape[-1])
+
+
+def check_topk_values(topk, nk: int) -> None:
+    """Every entry of topk is a key index in [0, nk) or -1 (padding): one read on the host. Not
+    read while a CUDA graph is being captured (reading would synchronize the device)."""
+    if topk.numel() == 0 or (topk.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return
+    low, high = torch.stack(torch.aminmax(topk)).tolist()
+    if low < -1 or high >= nk:
+        bad = low if low < -1 else high
+        raise ValueError(
+            f"topk holds the index {bad}; expected key indices in [0, {nk}) (Sk = {nk}) or -1 for padding"
+        )

@@ -117,3 +117,89 @@ class AttnKLSpec(NamedTuple):
 
     def with_needs(self, needs) -> AttnKLSpec:
         return self._replace(needs=tuple(bool(n) for n in needs))
+
+
+# --- indexer_kl -------------------------------------------------------------------------------
+
+INDEXER_NO_GRADS = (False, False, False)
+
+
+class IndexerKLInputs(NamedTuple):
+    """The tensors of one indexer_kl call (docs/indexer.md): the teacher q (B, H, Sq, D) and
+    k (B, H_kv, Sk, D); the indexer qi (B, G, Sq, Di), its one key head ki (B, 1, Sk, Di) and its
+    weights w (B, G, Sq); the teacher's per-head log-sum-exp lse (B, H, Sq) or None; the per-row
+    key set topk (B, Sq, K) int32/int64 with -1 padding, or None (dense); cu_seqlens: int32
+    (num_seqs + 1,) offsets of packed sequences or None."""
+
+    q: Tensor
+    k: Tensor
+    qi: Tensor
+    ki: Tensor
+    w: Tensor
+    lse: Tensor | None = None
+    topk: Tensor | None = None
+    cu_seqlens: Tensor | None = None
+
+
+class IndexerKLStats(NamedTuple):
+    """What the forward returns and the backward reads, float32 (float64 for float64 inputs),
+    contiguous: the KL (B, Sq); the teacher's per-head log-sum-exp the target was formed with
+    (B, H, Sq: the given lse, or the one computed over the admitted keys); the student's
+    log-sum-exp (B, Sq); the teacher's mass T = sum_j p_j over the admitted keys (B, Sq). Rows
+    that see no key: kl = 0, lse2 = -inf, mass = 0."""
+
+    kl: Tensor
+    lse: Tensor
+    lse2: Tensor
+    mass: Tensor
+
+
+class IndexerKLGrads(NamedTuple):
+    """(dqi, dki, dw): each in its input's shape and dtype, contiguous, or None if not needed.
+    The teacher (q, k, lse) receives no gradient."""
+
+    dqi: Tensor | None
+    dki: Tensor | None
+    dw: Tensor | None
+
+
+class IndexerKLSpec(NamedTuple):
+    """One validated indexer_kl call (docs/indexer.md states what each field means)."""
+
+    batch: int
+    heads: int  # H: teacher query heads, the heads of the mixture
+    heads_kv: int  # H_kv: teacher key heads (1: MQA, H: MHA)
+    index_heads: int  # G: indexer heads
+    nq: int
+    nk: int
+    d: int  # teacher head dim
+    di: int  # indexer head dim
+    causal: bool
+    scale: float  # teacher logit scale
+    topk_width: int  # K, the width of topk; 0 when dense
+    sparse: bool  # a topk set restricts each row's keys
+    given_lse: bool  # the teacher's lse was passed (else the forward computes it)
+    # Packed sequences, as AttnKLSpec: how many, and the longest (None on fake/traced calls).
+    num_seqs: int
+    max_seqlen: int | None
+    packed: bool
+    # Which of (dqi, dki, dw) the backward returns.
+    needs: tuple[bool, bool, bool] = INDEXER_NO_GRADS
+
+    @property
+    def group(self) -> int:
+        """Teacher query heads per teacher key head (GQA)."""
+        return self.heads // self.heads_kv
+
+    @property
+    def seq_q(self) -> int:
+        """Query rows of the longest sequence: Sq, or max_seqlen when packed."""
+        return self.max_seqlen if self.packed else self.nq
+
+    @property
+    def seq_k(self) -> int:
+        """Keys of the longest sequence: Sk, or max_seqlen when packed."""
+        return self.max_seqlen if self.packed else self.nk
+
+    def with_needs(self, needs) -> IndexerKLSpec:
+        return self._replace(needs=tuple(bool(n) for n in needs))
