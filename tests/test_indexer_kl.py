@@ -607,3 +607,13 @@ def test_the_registered_op_validates_values_too(no_backend_runs):
         torch.ops.streamkl.indexer_kl_fwd(q, k, qi, ki, w, None, bad, True, 0.3)
     with pytest.raises(ValueError, match="topk holds the index 9"):
         torch.ops.streamkl.indexer_kl(q, k, qi, ki, w, topk=bad)
+
+
+def test_a_given_lse_that_leaves_no_target_mass():
+    """A given lse far above the true one makes p underflow to 0 on its rows: no target, so KL 0
+    and a zero gradient there (the oracle's value), never NaN; the other rows are untouched."""
+    inputs = make_indexer_inputs(b=1, h=2, nq=6, nk=6, dtype=torch.float64, seed=5)
+    lse = _given_lse(inputs, torch.float64, causal=True)
+    lse[:, :, 2] += 1000.0
+    kl, (dqi, dki, dw) = _check(inputs, causal=True, lse=lse)
+    assert kl[0, 2] == 0 and (dqi[0, :, 2] == 0).all() and (dw[0, :, 2] == 0).all()

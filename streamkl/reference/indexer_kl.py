@@ -7,9 +7,9 @@ each chunk of query rows (all batches and heads at once), over the keys each row
                                                          log-sum-exp over the admitted keys)
     I    = sum_g w_g relu(qi_g[rows] @ ki^T)             index scores
     KL   = sum_j pn_j (log pn_j - (I_j - LSE2))          LSE2 = logsumexp_j I_j
-backward (student only):
-    dI   = g (softmax(I) - pn);   dz_g = dI w_g [z_g > 0]   with z_g = qi_g . ki_j
-    dw_g = sum_j dI_j relu(z_g);  dqi_g = dz_g @ ki;  dki += sum_g dz_g^T @ qi_g
+backward (student only), z_g = qi_g . ki_j:
+    dI   = g (softmax(I) - pn)                           0 on a row of no target mass (T = 0)
+    dz_g = dI w_g [z_g > 0];  dw_g = sum_j dI_j relu(z_g);  dqi_g = dz_g @ ki;  dki += sum_g dz_g^T @ qi_g
 
 A chunk holds at most max(H, G) + _LIVE_CHUNK_TEMPS temporaries of (B, rows, Sk) in the compute
 dtype (the teacher's (B, H, rows, Sk) logits or the indexer's (B, G, rows, Sk) head scores, and
@@ -215,8 +215,10 @@ def _backward_rows(spec, inputs, seg, stats, grad, acc, dtype):
         softmax = logq.exp_()
         if admitted is not None:
             softmax.masked_fill_(~admitted, 0.0)
-        softmax.masked_fill_(torch.isneginf(lse2[:, rows])[..., None], 0.0)  # rows that see no key
-        d_scores = softmax.sub_(pn).mul_(g[:, rows, None].to(dtype))  # dI = g (softmax(I) - pn)
+        # dI = g (softmax(I) sum_j pn_j - pn): sum_j pn_j is 1, or 0 on a row without target mass
+        # (one that sees no key, or whose given lse leaves p underflowing to 0).
+        softmax.masked_fill_((mass[:, rows] == 0)[..., None], 0.0)
+        d_scores = softmax.sub_(pn).mul_(g[:, rows, None].to(dtype))
         del p, pn
         if dw is not None:
             dw[:, :, rows] = torch.einsum("brj,bgrj->bgr", d_scores, rz)
