@@ -7,6 +7,10 @@ from __future__ import annotations
 
 import itertools
 import math
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -617,3 +621,15 @@ def test_a_given_lse_that_leaves_no_target_mass():
     lse[:, :, 2] += 1000.0
     kl, (dqi, dki, dw) = _check(inputs, causal=True, lse=lse)
     assert kl[0, 2] == 0 and (dqi[0, :, 2] == 0).all() and (dw[0, :, 2] == 0).all()
+
+
+def test_the_example_trains_an_indexer():
+    """examples/train_indexer.py at a tiny size: both stages' loss falls."""
+    script = Path(__file__).resolve().parents[1] / "examples" / "train_indexer.py"
+    args = ["--steps", "10", "--seq", "32", "--topk", "8", "--heads", "4"]
+    out = subprocess.run(
+        [sys.executable, str(script), *args], capture_output=True, text=True, check=True
+    ).stdout
+    stages = re.findall(r"^(dense|sparse): ([0-9.]+) -> ([0-9.]+)$", out, flags=re.M)
+    assert [s[0] for s in stages] == ["dense", "sparse"], out
+    assert all(float(last) < float(first) for _, first, last in stages), out
