@@ -19,7 +19,16 @@ from typing import Protocol, runtime_checkable
 
 from torch import Tensor
 
-from ._spec import AttnKLGrads, AttnKLInputs, AttnKLSpec, AttnKLStats
+from ._spec import (
+    AttnKLGrads,
+    AttnKLInputs,
+    AttnKLSpec,
+    AttnKLStats,
+    IndexerKLGrads,
+    IndexerKLInputs,
+    IndexerKLSpec,
+    IndexerKLStats,
+)
 
 
 @runtime_checkable
@@ -52,4 +61,26 @@ class AttnKLBackend(Protocol):
         """(dq1, dk1, dq2, dk2) for grad_kl (B, H, Nq) in the stats' dtype, contiguous; the
         gradients spec.needs asks for have their input's shape and dtype (contiguous), the
         others are None."""
+        ...
+
+
+@runtime_checkable
+class IndexerKLBackend(Protocol):
+    """indexer_kl on one backend (docs/indexer.md): the teacher takes no gradient."""
+
+    op: str  # "indexer_kl"
+    backward_backend: str | None
+
+    def supports(self, spec: IndexerKLSpec, inputs: IndexerKLInputs) -> str | None: ...
+
+    def auto_declines(self, spec: IndexerKLSpec, inputs: IndexerKLInputs) -> str | None: ...
+
+    def forward(self, spec: IndexerKLSpec, inputs: IndexerKLInputs) -> IndexerKLStats:
+        """The KL and what the backward reads (IndexerKLStats), fresh and contiguous."""
+        ...
+
+    def backward(
+        self, spec: IndexerKLSpec, inputs: IndexerKLInputs, stats: IndexerKLStats, grad_kl: Tensor
+    ) -> IndexerKLGrads:
+        """(dqi, dki, dw) for grad_kl (B, Sq); None where spec.needs says so."""
         ...
