@@ -633,3 +633,13 @@ def test_the_example_trains_an_indexer():
     stages = re.findall(r"^(dense|sparse): ([0-9.]+) -> ([0-9.]+)$", out, flags=re.M)
     assert [s[0] for s in stages] == ["dense", "sparse"], out
     assert all(float(last) < float(first) for _, first, last in stages), out
+
+
+def test_every_backend_with_the_op_implements_its_protocol():
+    from streamkl import _dispatch
+    from streamkl._backend import IndexerKLBackend
+
+    for name in _dispatch.BACKENDS:
+        impl = _dispatch.implementation(name, "indexer_kl")
+        assert impl is None or (isinstance(impl, IndexerKLBackend) and impl.op == "indexer_kl")
+    assert _dispatch.implementation("reference", "indexer_kl") is not None
