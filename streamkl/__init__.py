@@ -1,8 +1,8 @@
 """streamkl: the KL divergence between two attention distributions, fused, O(Nq) memory
 (attn_kl), and the DSA indexer loss against a head mixture (indexer_kl).
 
-Importing streamkl registers torch.ops.streamkl.attn_kl and .indexer_kl and needs torch alone; triton and
-cuda-python are imported only when their backend runs.
+Importing streamkl registers torch.ops.streamkl.attn_kl and .indexer_kl and needs torch alone;
+triton and cuda-python are imported only when their backend runs.
 """
 
 from ._dispatch import BACKENDS
