@@ -1,11 +1,13 @@
-"""The forward's host side: which instantiation of kernels/kl_fwd.cu runs, its tensor maps, its
-parameter block and its launch on torch's current stream (no host sync, no input copied).
+"""The forward's host side: which instantiation of kernels/kl_fwd.cu runs, its split-K and grid
+(the plan of a call's spec), its tensor maps, its parameter block and its launch on torch's
+current stream (no host sync, no input copied).
 
-A call costs: three output allocations, cached lookups of the kernel and the split count, one
-dict lookup per input for its tensor map (encoded by cuTensorMapEncodeTiled once per (address,
-shape, strides, dtype, box) and kept), one struct.pack of the parameter block into one buffer,
-and cuLaunchKernel with a one-entry argument array pointing at it; with split-K, one more
-allocation (the partial row states) and the launch of kl_combine on the same block.
+A call costs: three output allocations, one cached lookup of the plan (keyed on the spec, the
+dtype and the device), one dict lookup per input for its tensor map (encoded by
+cuTensorMapEncodeTiled once per (address, shape, strides, dtype, box) and kept), one struct.pack
+of the output pointers, one buffer of the parameter block, and cuLaunchKernel with a one-entry
+argument array pointing at it; with split-K, one more allocation (the partial row states) and the
+launch of kl_combine on the same block.
 """
 
 from __future__ import annotations
@@ -17,27 +19,35 @@ from typing import NamedTuple
 
 import torch
 
+from ..._spec import AttnKLInputs, AttnKLSpec, causal_offset
 from . import _jit
 
 LOG2E = 1.4426950408889634
 SMEM_LIMIT = 232448  # dynamic shared memory one sm_90 CTA may opt into (227 KB)
 TMA_BOX = 64  # 16-bit columns per TMA box: one 128-byte swizzle span
 MAX_D = 128  # head dims are padded (by TMA's zero fill) to 64 or 128
-PARAMS_BYTES = 640  # sizeof(Params) in kl_fwd.cu: four 128-byte maps, then the scalars
-# kl, lse1, lse2, part, cu, h, nq, nk, g1, g2, m_tiles, causal, splits, rows, hgroup, c1, c2,
-# tail0, tail_splits
-_SCALARS = struct.Struct("<5Q10i2f2i")
-_PAD = bytes(PARAMS_BYTES - 4 * 128 - _SCALARS.size)
+PARAMS_BYTES = 640  # sizeof(Params) in kernels/schedule.cuh: four 128-byte maps, then the scalars
+_POINTERS = struct.Struct("<5Q")  # kl, lse1, lse2, part, cu
+# h, nq, nk, g1, g2, m_tiles, causal, splits, rows, hgroup, c1, c2, tail0, tail_splits
+_SCALARS = struct.Struct("<10i2f2i")
+_PAD = bytes(PARAMS_BYTES - 4 * 128 - _POINTERS.size - _SCALARS.size)
 SOURCE_FILE = "kl_fwd.cu"
 ENTRY = "kl_fwd"
-COMBINE = "kl_combine"  # the split-K epilogue, in the same source
-PART = 6  # floats of one row's partial state (kl_fwd.cu's PART)
+COMBINE = "kl_combine"  # the split-K epilogue (kernels/combine.cuh), in the same module
+PART = 6  # floats of one row's partial state (kernels/online_kl.cuh's PART)
+# The kernel's fixed shape (kernels/kl_fwd.cu): NWG consumer warpgroups of 64 query rows and a
+# producer warpgroup, over tiles of BN keys.
+NWG = 3
+BN = 64
+BM = 64 * NWG  # query rows per CTA
+THREADS = 128 * (NWG + 1)
+MAX_STAGES = 4  # the key ring's depth where shared memory allows (more measured no faster)
 SPLIT_OVERHEAD_KEYS = 256  # a CTA's fixed cost (Q loads, pipeline fill, epilogue) in keys
 MIN_KEYS_PER_SPLIT = 512
 MAX_SPLITS = 64
-# Under causal masking the grid starts the longest row tiles of this many heads first (kl_fwd.cu's
-# hgroup), so the short ones fill the last wave; without it CTAs are alike and one head's row
-# tiles after another's share its keys in L2.
+# Under causal masking the grid starts the longest row tiles of this many heads first
+# (kernels/schedule.cuh's hgroup), so the short ones fill the last wave; without it CTAs are alike
+# and one head's row tiles after another's share its keys in L2.
 CAUSAL_HEAD_GROUP = 8
 # Dense inputs of at most this many query rows (one consumer's tile) run the DECODE instantiation:
 # every consumer on those rows, each taking every third key tile.
@@ -50,13 +60,9 @@ def padded_dim(d: int) -> int:
 
 def smem_bytes(c: dict) -> int:
     """Mirrors SMEM_BYTES in kl_fwd.cu (the kernel traps if it is given less)."""
-    q = (1 if c.get("DECODE") else c["NWG"]) * 64 * (c["D1P"] + c["D2P"]) * 2
-    k = c["STAGES"] * c["BN"] * (c["D1P"] + c["D2P"]) * 2
+    q = (1 if c["DECODE"] else NWG) * 64 * (c["D1P"] + c["D2P"]) * 2
+    k = c["STAGES"] * BN * (c["D1P"] + c["D2P"]) * 2
     return q + k + 8 * (1 + 2 * c["STAGES"]) + 1024
-
-
-def threads(c: dict) -> int:
-    return 128 * (c["NWG"] + c["WS"])
 
 
 def q_in_registers(d1p: int, d2p: int) -> int:
@@ -75,28 +81,18 @@ def issue_split(d1p: int, d2p: int) -> int:
 
 
 def shipped(d1p: int, d2p: int, fp16: bool, decode: bool = False) -> dict:
-    """The constants of the instantiation that runs for padded head dims (d1p, d2p): a producer
-    warpgroup and three consumer warpgroups of 64 rows, each overlapping its own GEMMs and
-    updates, over 64-key tiles (docs/cuda.md), the queries of q_in_registers as wgmma's register
-    operand, issue_split's GEMM issue, as many ring stages as shared memory holds, up to 4, and
-    unmasked grids' last partial wave split (TAIL, tail_for);
+    """The compile-time constants (kl_fwd.cu's header) of the instantiation that runs for padded
+    head dims (d1p, d2p): the queries of q_in_registers as wgmma's register operand, issue_split's
+    GEMM issue, and a ring of as many stages as shared memory holds, up to MAX_STAGES;
     decode: the consumers share one Q tile and split the key tiles (DECODE), over a ring of
-    2 NWG stages (a multiple of NWG: each stage has one reader) where they fit, else NWG."""
-    c = dict(KL_FP16=int(fp16), D1P=d1p, D2P=d2p, NWG=3, BN=64, STAGES=1, WS=1, PINGPONG=0, OVERLAP=1, TAIL=1)
+    2 NWG stages where they fit, else NWG (a multiple of NWG: each stage has one reader)."""
+    c = dict(KL_FP16=int(fp16), D1P=d1p, D2P=d2p, DECODE=int(decode))
     c["QREGS"] = q_in_registers(d1p, d2p)
     c["ISSUE_SPLIT"] = issue_split(d1p, d2p)
     if decode:
-        return decode_build(c)
-    while c["STAGES"] < 4 and smem_bytes(dict(c, STAGES=c["STAGES"] + 1)) <= SMEM_LIMIT:
-        c["STAGES"] += 1
-    return c
-
-
-def decode_build(c: dict) -> dict:
-    """c as DECODE: one Q tile, a ring of 2 NWG stages where they fit, else NWG (a multiple of
-    NWG, so each stage has one reader)."""
-    c = dict(c, DECODE=1)
-    c["STAGES"] = (2 if smem_bytes(dict(c, STAGES=2 * c["NWG"])) <= SMEM_LIMIT else 1) * c["NWG"]
+        c["STAGES"] = (2 if smem_bytes(dict(c, STAGES=2 * NWG)) <= SMEM_LIMIT else 1) * NWG
+        return c
+    c["STAGES"] = max(s for s in range(1, MAX_STAGES + 1) if smem_bytes(dict(c, STAGES=s)) <= SMEM_LIMIT)
     return c
 
 
@@ -110,30 +106,29 @@ def source() -> str:
     return (_jit.KERNELS / SOURCE_FILE).read_text()
 
 
+def build(consts: dict) -> _jit.Build:
+    """The compiled module of one instantiation (kl_fwd and kl_combine), from the disk cache when
+    it holds it."""
+    return _jit.compile_kernel(source(), ENTRY, consts)
+
+
 class Kernel(NamedTuple):
-    handle: object  # CUkernel
+    handle: object  # CUkernel of kl_fwd
     combine: object  # CUkernel of kl_combine
     consts: dict
     smem: int
-    threads: int
-    bm: int
     build: _jit.Build
 
 
-_KERNELS: dict[tuple, Kernel] = {}
-
-
-def kernel(consts: dict, device_index: int) -> Kernel:
-    """The loaded kernel of one instantiation on one device (compiled or read from the disk
-    cache once per process), with its dynamic shared memory limit raised."""
-    key = (tuple(sorted(consts.items())), device_index)
-    found = _KERNELS.get(key)
-    if found is not None:
-        return found
+@functools.cache
+def kernel(d1p: int, d2p: int, fp16: bool, decode: bool, device_index: int) -> Kernel:
+    """The loaded shipped instantiation for padded head dims (d1p, d2p) on one device (compiled
+    or read from the disk cache once per process), with its dynamic shared memory limit raised."""
     from cuda.bindings import driver
 
-    build = _jit.compile_kernel(source(), ENTRY, consts)
-    handle, combine = (_jit.load(build, device_index, entry).handle for entry in (ENTRY, COMBINE))
+    consts = shipped(d1p, d2p, fp16, decode)
+    built = build(consts)
+    handle, combine = (_jit.load(built, device_index, entry).handle for entry in (ENTRY, COMBINE))
     if not isinstance(handle, driver.CUkernel):
         handle, combine = driver.CUkernel(int(handle)), driver.CUkernel(int(combine))
     smem = smem_bytes(consts)
@@ -141,15 +136,7 @@ def kernel(consts: dict, device_index: int) -> Kernel:
     _check(
         driver.cuKernelSetAttribute(attr, smem, handle, driver.CUdevice(device_index)), "cuKernelSetAttribute"
     )
-    found = Kernel(handle, combine, dict(consts), smem, threads(consts), 64 * consts["NWG"], build)
-    _KERNELS[key] = found
-    return found
-
-
-@functools.cache
-def _shipped_kernel(d1p: int, d2p: int, fp16: bool, decode: bool, device_index: int) -> Kernel:
-    """kernel() of the shipped instantiation, looked up without building its constants."""
-    return kernel(shipped(d1p, d2p, fp16, decode), device_index)
+    return Kernel(handle, combine, consts, smem, built)
 
 
 def _check(result, what):
@@ -275,7 +262,7 @@ def splits_for(ctas: int, key_tiles: int, batch: int, sms: int, tile: int, causa
     # long causal grid has thousands of row tiles, and a new packed max_seqlen misses the cache
     f64 = dict(dtype=torch.float64, device="cpu")  # whatever the default device
     last_first = torch.arange(m_tiles, 0, -1, **f64)  # m + 1 for row tiles m = m_tiles - 1 .. 0
-    lengths = torch.ceil((last_first * bm + (nk - nq)).clamp(0, nk) / tile)  # key tiles each sees
+    lengths = torch.ceil((last_first * bm + causal_offset(nq, nk)).clamp(0, nk) / tile)  # keys each sees
     s = torch.arange(1, top + 1, **f64)[:, None]
     parts = torch.ceil(lengths / s) + overhead  # [split counts, row tiles], longest first
     ctas_s = (ctas // m_tiles) * s  # CTAs of each row tile's length
@@ -297,89 +284,98 @@ def tail_for(units: int, key_tiles: int, sms: int) -> tuple[int, int]:
     return (units - r, s) if s >= 2 else (0, 0)
 
 
-def forward(
-    q1, k1, q2, k2, *, causal, scale1, scale2, cu_seqlens=None, max_seqlen=None, consts=None, schedule=None,
-    out=None,
-):  # fmt: skip
-    """(kl, lse1, lse2) of dense or packed inputs (cu_seqlens: int32 offsets on the inputs'
-    device, max_seqlen: at least the longest sequence); consts: an instantiation replacing the
-    shipped one, schedule: {"splits": s, "hgroup": g}, either replacing the chosen one
-    (benchmarks/cuda_fwd.py's variants); out: three (B, H, Nq) float32 contiguous tensors to
-    write instead of fresh ones (the benchmark poisons them first)."""
-    B, H, NQ, D1 = q1.shape
-    NK, D2 = k1.shape[2], q2.shape[3]
-    dev = q1.device
-    if out is None:
-        kl = torch.empty((B, H, NQ), device=dev, dtype=torch.float32)
-        lse1 = torch.empty_like(kl)
-        lse2 = torch.empty_like(kl)
+class Plan(NamedTuple):
+    """What a launch of one call shape fixes (_plan): the kernel, its grid, the split-K partial
+    states per row and part's rows, and the parameter block's scalars after the pointers."""
+
+    kernel: Kernel
+    grid: tuple[int, int, int]
+    parts: int  # partial states per row (1: no split-K, no combine)
+    part_rows: int
+    scalars: bytes
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan(spec: AttnKLSpec, fp16: bool, device_index: int) -> Plan:
+    """The launch of `spec` (a spec of at least one row and one key): the instantiation (DECODE
+    for dense inputs of at most DECODE_MAX_ROWS rows), the split count (splits_for; unmasked dense
+    grids of more than one wave split only their last partial wave, tail_for), the grid's head
+    groups, the parameter block's scalars."""
+    decode = not spec.packed and spec.nq <= DECODE_MAX_ROWS
+    k = kernel(padded_dim(spec.d1), padded_dim(spec.d2), fp16, decode, device_index)
+    # Packed sequences: the grid's batch runs the sequences, its row tiles the longest one.
+    seqs, heads = spec.num_seqs, spec.heads
+    m_tiles = -(-spec.seq_q // BM)
+    key_tiles = -(-spec.seq_k // BN)
+    units = m_tiles * heads * seqs  # row tiles of every batch
+    sms = _sm_count(device_index)
+    splits = 1
+    if spec.rows < 2**31:
+        shape = (spec.seq_q, spec.seq_k, BM) if spec.causal else None
+        splits = splits_for(units, key_tiles, seqs, sms, BN, shape)
+    hgroup = min(heads, CAUSAL_HEAD_GROUP) if spec.causal else 1
+    tail0, tail_splits = 0, 0
+    if not (spec.causal or decode or spec.packed):
+        tail0, tail_splits = tail_for(units, key_tiles, sms)
+        splits = tail_splits or splits
+    parts = splits * NWG if decode else splits  # partial states per row (DECODE: per consumer)
+    part_rows = (units - tail0) * BM if tail_splits else spec.rows  # TAIL: the split row tiles' rows
+    if tail_splits:  # one axis over every batch's row tiles, the split ones `tail_splits` times
+        grid = (tail0 + (units - tail0) * tail_splits, 1, 1)
     else:
-        kl, lse1, lse2 = out
-    if B * H * NQ == 0:
+        grid = (m_tiles * heads, 1, seqs * splits)
+    scalars = _SCALARS.pack(
+        heads,
+        spec.nq,
+        spec.nk,
+        spec.group1,
+        spec.group2,
+        m_tiles,
+        int(spec.causal),
+        parts,
+        part_rows if parts > 1 else 0,
+        hgroup,
+        spec.scale1 * LOG2E,
+        spec.scale2 * LOG2E,
+        tail0,
+        tail_splits,
+    )
+    return Plan(k, grid, parts, part_rows, scalars + _PAD)
+
+
+def forward(spec: AttnKLSpec, inputs: AttnKLInputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(kl, lse1, lse2), each (B, H, Nq) float32, of a validated call (streamkl._checks): dense or
+    packed inputs (cu_seqlens int32 on the inputs' device, spec.max_seqlen resolved)."""
+    q1, k1, q2, k2, cu_seqlens = inputs
+    dev = q1.device
+    kl = torch.empty((spec.batch, spec.heads, spec.nq), device=dev, dtype=torch.float32)
+    lse1 = torch.empty_like(kl)
+    lse2 = torch.empty_like(kl)
+    if spec.rows == 0:
         return kl, lse1, lse2
-    if NK == 0:  # every row sees nothing
+    if spec.nk == 0:  # every row sees nothing
         return kl.zero_(), lse1.fill_(float("-inf")), lse2.fill_(float("-inf"))
     index = dev.index if dev.index is not None else torch.cuda.current_device()
-    decode = cu_seqlens is None and NQ <= DECODE_MAX_ROWS
-    if consts is None:
-        k = _shipped_kernel(padded_dim(D1), padded_dim(D2), q1.dtype == torch.float16, decode, index)
-        consts = k.consts
-    else:  # an explicit DECODE stands; without one, the shipped choice
-        decode = bool(consts.get("DECODE", decode))
-        if decode and (cu_seqlens is not None or NQ > DECODE_MAX_ROWS):
-            raise ValueError(f"DECODE runs dense inputs of at most {DECODE_MAX_ROWS} query rows, got {NQ}")
-        k = kernel(decode_build(consts) if decode and "DECODE" not in consts else consts, index)
-    # Packed sequences: the grid's batch runs the sequences, its row tiles the longest one.
+    plan = _plan(spec, q1.dtype == torch.float16, index)
+    k = plan.kernel
     if cu_seqlens is not None:
         cu_seqlens = cu_seqlens.contiguous()  # read by every CTA; it outlives the launch in stream order
-    seqs, longest = (B, NQ) if cu_seqlens is None else (cu_seqlens.shape[0] - 1, max_seqlen)
-    m_tiles = -(-longest // k.bm)
-    bn = consts["BN"]
-    rows = B * H * NQ
-    key_tiles = -(-(NK if cu_seqlens is None else longest) // bn)
-    splits = 1
-    if rows < 2**31:
-        shape = ((NQ, NK) if cu_seqlens is None else (longest, longest)) + (k.bm,) if causal else None
-        splits = splits_for(m_tiles * H * seqs, key_tiles, seqs, _sm_count(index), bn, shape)
-    hgroup = min(H, CAUSAL_HEAD_GROUP) if causal else 1
-    if schedule is not None:
-        splits, hgroup = schedule.get("splits", splits), min(H, schedule.get("hgroup", hgroup))
-    units = m_tiles * H * seqs
-    tail0, tail_splits = 0, 0
-    given_splits = schedule is not None and "splits" in schedule
-    if consts.get("TAIL") and not (causal or decode or given_splits) and cu_seqlens is None:
-        tail0, tail_splits = tail_for(units, key_tiles, _sm_count(index))
-        splits = tail_splits or splits
-    parts = splits * consts["NWG"] if decode else splits  # partial states per row (DECODE: per consumer)
-    part_rows = (units - tail0) * k.bm if tail_splits else rows  # TAIL: the split row tiles' rows
-    part = torch.empty(parts * part_rows * PART, device=dev, dtype=torch.float32) if parts > 1 else None
+    part = None
+    if plan.parts > 1:
+        part = torch.empty(plan.parts * plan.part_rows * PART, device=dev, dtype=torch.float32)
     block = (
         tensor_map(q1, 64)
-        + tensor_map(k1, bn)
+        + tensor_map(k1, BN)
         + tensor_map(q2, 64)
-        + tensor_map(k2, bn)
-        + _SCALARS.pack(
+        + tensor_map(k2, BN)
+        + _POINTERS.pack(
             kl.data_ptr(),
             lse1.data_ptr(),
             lse2.data_ptr(),
             part.data_ptr() if part is not None else 0,
             cu_seqlens.data_ptr() if cu_seqlens is not None else 0,
-            H,
-            NQ,
-            NK,
-            H // k1.shape[1],
-            H // k2.shape[1],
-            m_tiles,
-            int(bool(causal)),
-            parts,
-            part_rows if parts > 1 else 0,
-            hgroup,
-            float(scale1) * LOG2E,
-            float(scale2) * LOG2E,
-            tail0,
-            tail_splits,
         )
-        + _PAD
+        + plan.scalars
     )
     params = ctypes.create_string_buffer(block, PARAMS_BYTES)
     argv = (ctypes.c_void_p * 1)(ctypes.addressof(params))
@@ -387,16 +383,15 @@ def forward(
 
     # torch's current stream as a raw handle (torch.cuda.current_stream builds an object: ~6 us)
     stream = driver.CUstream(torch._C._cuda_getCurrentRawStream(index))
-    grid = (tail0 + (units - tail0) * tail_splits, 1, 1) if tail_splits else (m_tiles * H, 1, seqs * splits)
     (err,) = driver.cuLaunchKernel(
-        k.handle, *grid, k.threads, 1, 1, k.smem, stream, ctypes.addressof(argv), 0
+        k.handle, *plan.grid, THREADS, 1, 1, k.smem, stream, ctypes.addressof(argv), 0
     )
     if int(err) != 0:
-        raise RuntimeError(f"cuLaunchKernel of {ENTRY} {consts} failed: {err!r}")
-    if parts > 1:  # part stays alive until the combine ran: the allocator reuses it in stream order
+        raise RuntimeError(f"cuLaunchKernel of {ENTRY} {k.consts} failed: {err!r}")
+    if part is not None:  # part stays alive until the combine ran: the allocator reuses it in stream order
         (err,) = driver.cuLaunchKernel(
-            k.combine, -(-part_rows // 128), 1, 1, 128, 1, 1, 0, stream, ctypes.addressof(argv), 0
+            k.combine, -(-plan.part_rows // 128), 1, 1, 128, 1, 1, 0, stream, ctypes.addressof(argv), 0
         )
         if int(err) != 0:
-            raise RuntimeError(f"cuLaunchKernel of {COMBINE} {consts} failed: {err!r}")
+            raise RuntimeError(f"cuLaunchKernel of {COMBINE} {k.consts} failed: {err!r}")
     return kl, lse1, lse2

@@ -12,28 +12,24 @@
 // z = b * splits + s runs its share of the row tile's key tiles and writes the rows' merged
 // states to part; kl_combine (at the end of this file) merges them. TAIL (below): a 1-D grid over
 // every batch's row tiles, the last partial wave's split.
-// Block: 128 * (NWG + WS) threads, one CTA per SM (__launch_bounds__(.., 1)).
-//   WS = 1: warpgroup 0 is the producer (setmaxnreg.dec; one thread issues every TMA: q1, q2
-//           of the CTA once, then the k1, k2 tiles of each key tile into a STAGES-deep ring);
-//           warpgroups 1..NWG are consumers (setmaxnreg.inc).
-//   WS = 0: NWG consumer warpgroups only; thread 0 also issues the loads, refilling a stage once
-//           every consumer has released it (a plain TMA pipeline, no warp roles).
+// Block: 128 * (NWG + 1) threads, one CTA per SM (__launch_bounds__(.., 1)). Warpgroup 0 is the
+//   producer (setmaxnreg.dec; one thread issues every TMA: q1, q2 of the CTA once, then the k1, k2
+//   tiles of each key tile into a STAGES-deep ring); warpgroups 1..NWG are consumers
+//   (setmaxnreg.inc).
 // Consumer warpgroup c owns query rows [m0 + 64c, m0 + 64c + 64) and, per key tile of BN keys,
 //   computes S1 = Q1 K1^T and S2 = Q2 K2^T (64 x BN fp32 each, wgmma m64nBNk16, K from shared
 //   memory, Q from shared memory or, QREGS, from registers it loaded once) as two commit groups,
 //   runs the online update of S1 while the S2 GEMM is in flight, then releases the stage (one
-//   thread arrives on its "empty" barrier) and runs the update of S2. PINGPONG = 1: the consumers
-//   issue their GEMMs in strict turn (named barriers 1..NWG), so one warpgroup's exponentials run
-//   under another's GEMMs. OVERLAP = 1 (no ping-pong): a consumer issues tile i's S1 GEMM, runs
-//   tile i - 1's S2 update under it, issues tile i's S2 GEMM and runs tile i's S1 update under
-//   that, so its own exponentials run under its own GEMMs; no wgmma is in flight across the loop's
-//   back edge.
+//   thread arrives on its "empty" barrier) and runs the update of S2. A consumer issues tile i's
+//   S1 GEMM, runs tile i - 1's S2 update under it, issues tile i's S2 GEMM and runs tile i's S1
+//   update under that, so its own exponentials run under its own GEMMs; no wgmma is in flight
+//   across the loop's back edge.
 // Online update (log2 units, t = S * log2(e) * scale; see docs/math.md): every thread keeps, for
 //   each of its two rows and over its own quarter of the columns, m1, l1, m2, l2 and the sums
 //   aa = sum e1 * S1raw, ab = sum e1 * t2; the four threads of a row merge these once, after the
 //   last tile (no shuffle per tile). acc = c1 * aa - ab = sum e1 * (t1 - t2). S2 enters the update
 //   as x2 = t2 - ref(m2) (scores2: one FFMA per element, which the exponential needs anyway), in
-//   registers no wgmma writes, so (OVERLAP) the next tile's S1 GEMM can run under the S2 update.
+//   registers no wgmma writes, so the next tile's S1 GEMM can run under the S2 update.
 // Lagged running max: a thread's m1 / m2 are references, not maxima: l = sum 2^(t - m) over the
 //   thread's columns so far (aa, ab alike), and finish() merges any references exactly
 //   (w = 2^(m - M)), so lse = M + log2 L and the KL do not depend on which m a thread holds, only
@@ -72,36 +68,11 @@
 //   its barrier duties.
 #include "sm90.cuh"
 
-#ifndef D1P
-#define D1P 128
-#endif
-#ifndef D2P
-#define D2P 128
-#endif
-#ifndef NWG
-#define NWG 2
-#endif
-#ifndef BN
-#define BN 128
-#endif
-#ifndef STAGES
-#define STAGES 2
-#endif
-#ifndef WS
-#define WS 1
-#endif
-#ifndef PINGPONG
-#define PINGPONG 1
-#endif
-// ISSUE_SPLIT (with OVERLAP; shipped where both head dims are 64): each GEMM's k-steps are issued
+constexpr int NWG = 3;  // consumer warpgroups
+constexpr int BN = 64;  // keys per tile
+// ISSUE_SPLIT (shipped where both head dims are 64): each GEMM's k-steps are issued
 // in two halves, the first row of the update that runs under it between them, so a warp held by a
 // full tensor queue has less MUFU work waiting behind its wgmma.
-#ifndef ISSUE_SPLIT
-#define ISSUE_SPLIT 0
-#endif
-#ifndef ABLATE
-#define ABLATE 0
-#endif
 // DECODE (the launch's choice for dense inputs of at most 64 query rows, one row tile): every
 // consumer takes the tile's first 64 rows and every NWG-th key tile of the CTA's share (consumer
 // c: tiles c, c + NWG, ...), releasing each stage alone, and writes its rows' state as part
@@ -110,44 +81,23 @@
 // only ever read by consumer s % NWG: a parity wait cannot tell phase k from phase k - 2, and a
 // consumer that had not itself waited out the stage's previous load could pass on the phase
 // before it (the previous load still in flight) and read a tile that is not there yet.
-#ifndef DECODE
-#define DECODE 0
-#endif
 // TAIL: with p.tail_splits > 0 (dense unmasked grids over one wave whose last wave is partial),
 // the grid is one-dimensional over the B * H * m_tiles row tiles of every batch, and the row tiles
 // from p.tail0 on, the last partial wave, run split p.tail_splits ways (parts for kl_combine),
 // so that wave's SMs all work for a shorter time instead of few for a whole CTA's.
-#ifndef TAIL
-#define TAIL 0
-#endif
-#ifndef OVERLAP
-#define OVERLAP 0
-#endif
 // QREGS: bit 1 keeps Q1, bit 2 Q2 of the consumer's rows in registers (wgmma's A fragments), read
 // once from shared memory, so their GEMM reads only K per key tile (fewer shared-memory bytes and
 // no A descriptors to issue).
-#ifndef QREGS
-#define QREGS 0
+#if !defined(KL_FP16) || !defined(D1P) || !defined(D2P) || !defined(STAGES) || !defined(DECODE) || \
+    !defined(QREGS) || !defined(ISSUE_SPLIT)
+#error "the launcher (_launch.py) defines every instantiation constant"
 #endif
-static_assert(QREGS == 0 || BN == 64, "QREGS: 64-key tiles");
-static_assert(!ISSUE_SPLIT || OVERLAP, "ISSUE_SPLIT: the overlapping loop");
-static_assert(!OVERLAP || !PINGPONG, "OVERLAP replaces ping-pong");
-static_assert(!DECODE || (WS && !PINGPONG), "DECODE: a producer, no ping-pong");
 static_assert(!DECODE || STAGES % NWG == 0, "DECODE: each stage read by one consumer");
-// ABLATE (measurement only, for docs/cuda.md's ablations; the results are wrong): 1 runs no
-// exponential (e = t), 2 issues no S2 GEMM.
-#if ABLATE == 1
-#define ex2(x) (x)
-#endif
-
 static_assert(D1P == 64 || D1P == 128, "D1P: 64 or 128");
 static_assert(D2P == 64 || D2P == 128, "D2P: 64 or 128");
-static_assert(BN == 64 || BN == 128, "BN: 64 or 128");
-static_assert(NWG >= 1 && NWG <= 3, "NWG: 1 to 3 consumer warpgroups");
-static_assert(!PINGPONG || (WS && NWG >= 2), "ping-pong needs a producer and two consumers");
 
 constexpr int BM = 64 * NWG;
-constexpr int THREADS = 128 * (NWG + WS);
+constexpr int THREADS = 128 * (NWG + 1);
 constexpr int NR = BN / 2;  // accumulator registers per thread per 64 x BN tile
 constexpr unsigned SLAB = 64 * 128;  // one 64-row, 64-column (128-byte) slab
 constexpr unsigned Q1_WG = 64 * D1P * 2, Q2_WG = 64 * D2P * 2;
@@ -163,9 +113,9 @@ constexpr unsigned SMEM_BYTES = OFF_BAR + 8 * (1 + 2 * STAGES) + 1024;
 static_assert(SMEM_BYTES <= 232448, "exceeds the 227 KB of shared memory of an sm_90 CTA");
 // setmaxnreg moves registers inside the CTA's launch allocation (THREADS x the per-thread count
 // __launch_bounds__ allows, 65536 / THREADS rounded down to 8); an increase beyond it never returns.
-constexpr int REG_PROD = NWG == 3 ? 32 : 24;
-constexpr int REG_CONS = NWG == 3 ? 160 : 240;
-static_assert(!WS || REG_PROD * 128 + REG_CONS * 128 * NWG <= THREADS * (65536 / THREADS / 8 * 8), "register budget");
+constexpr int REG_PROD = 32;
+constexpr int REG_CONS = 160;
+static_assert(REG_PROD * 128 + REG_CONS * 128 * NWG <= THREADS * (65536 / THREADS / 8 * 8), "register budget");
 
 #define KL_INF __int_as_float(0x7f800000)
 #define KL_LN2 0.6931471805599453f
@@ -232,11 +182,7 @@ KL_DEV void gemm(float* s, unsigned long long dq, unsigned long long dk) {
   for (int kk = K0; kk < K1; ++kk) {
     const unsigned long long da = smem_desc_add(dq, (kk / 4) * SLAB + (kk % 4) * 32);
     const unsigned long long db = smem_desc_add(dk, (kk / 4) * (BN * 128) + (kk % 4) * 32);
-#if BN == 128
-    if (kk == 0) wgmma_m64n128k16<false>(s, da, db); else wgmma_m64n128k16<true>(s, da, db);
-#else
     if (kk == 0) wgmma_m64n64k16<false>(s, da, db); else wgmma_m64n64k16<true>(s, da, db);
-#endif
   }
 }
 
@@ -565,7 +511,6 @@ KL_DEV void slot_of(const Params& p, unsigned x, int& h, int& mt) {
 KL_DEV bool work_of(const Params& p, unsigned x, unsigned z, Work& w) {
   unsigned slot = x;
   int b, split, splits, tail_tile = 0;  // TAIL: the index of a split row tile among them
-#if TAIL
   if (p.tail_splits > 0) {  // x runs the row tiles of every batch, the tail's split
     int unit = x;
     split = 0, splits = 1;
@@ -575,9 +520,7 @@ KL_DEV bool work_of(const Params& p, unsigned x, unsigned z, Work& w) {
       unit = p.tail0 + tail_tile;
     }
     b = unit / (p.h * p.m_tiles), slot = unit % (p.h * p.m_tiles);
-  } else
-#endif
-  {
+  } else {
     splits = DECODE ? p.splits / NWG : p.splits;  // the CTAs' splits of the key tiles
     b = z / splits, split = z % splits;
   }
@@ -595,7 +538,7 @@ KL_DEV bool work_of(const Params& p, unsigned x, unsigned z, Work& w) {
   // Split-K: split s runs key tiles [t0, t0 + n) of the row tile's n_tiles.
   const int per = (n_tiles + splits - 1) / splits;
   const int t0 = min(n_tiles, split * per), n = min(n_tiles, t0 + per) - t0;
-  const bool tail = TAIL && p.tail_splits > 0;  // part rows: the split row tiles' rows, in order
+  const bool tail = p.tail_splits > 0;  // part rows: the split row tiles' rows, in order
   const long long part0 = tail ? (long long)tail_tile * BM - m0 : sp.out0;
   w = Work{sp, m0, h, h / p.g1, h / p.g2, split, t0, n, tail ? splits > 1 : p.splits > 1, part0};
   return true;
@@ -628,21 +571,14 @@ KL_DEV void consume(const Params& p, const Work& w, int c, int tid, unsigned bas
   const unsigned long long dq1 = smem_desc(base + OFF_Q1 + qc * Q1_WG), dq2 = smem_desc(base + OFF_Q2 + qc * Q2_WG);
   const unsigned long long dk1 = smem_desc(base + OFF_K1), dk2 = smem_desc(base + OFF_K2);
   mbar_wait(bar_q, 0);
-#if PINGPONG
-  if (c == NWG - 1 && n > 0) named_arrive(1, 256);  // the first turn is warpgroup 0's
-#endif
   if (r0 >= sp.nq) {  // every row past Nq (a last row tile's spare rows): barrier duties only
     for (int i = 0; i < n; ++i) {
       // The one thread that releases a stage waits for it: a warp that waited for nothing it
       // reads could fall a whole phase of the ring behind the releases and never see its parity.
       if (tid == 0) mbar_wait(full + 8 * (i % STAGES), (i / STAGES) & 1);
-#if PINGPONG
-      named_sync(1 + c, 256);
-      if (!(c == NWG - 1 && i == n - 1)) named_arrive(1 + (c + 1) % NWG, 256);
-#endif
       if (tid == 0) mbar_arrive(empty + 8 * (i % STAGES));
     }
-    return;  // (never warpgroup 0, which refills the ring when WS = 0: m0 < Nq)
+    return;
   }
 #if QREGS & 1
   unsigned qa1[D1P / 4];
@@ -652,11 +588,9 @@ KL_DEV void consume(const Params& p, const Work& w, int c, int tid, unsigned bas
   unsigned qa2[D2P / 4];
   load_qfrag<D2P>(qa2, base + OFF_Q2 + qc * Q2_WG, warp, lane);
 #endif
-#if OVERLAP
   // Tile i - 1's S2 update runs under tile i's S1 GEMM: prev_* are its mask and limits.
   bool prev_masked = false;
   int prev_rel[2] = {0, 0};
-#endif
   // This warpgroup's key tiles: i = first + STEP j of [0, n), `own` of them.
   constexpr int STEP = DECODE ? NWG : 1;
   const int first = DECODE ? c : 0, own = DECODE ? (n > c ? (n - c + NWG - 1) / NWG : 0) : n;
@@ -665,9 +599,6 @@ KL_DEV void consume(const Params& p, const Work& w, int c, int tid, unsigned bas
     const int t = t0 + i, stage = i % STAGES;
     const unsigned phase = (i / STAGES) & 1;
     mbar_wait(full + 8 * stage, phase);
-#if PINGPONG
-    named_sync(1 + c, 256);
-#endif
 #if QREGS & 1
 #define KL_GEMM1(K0, K1) gemm_rs<D1P, K0, K1>(s1, qa1, smem_desc_add(dk1, stage * K1_ST))
 #else
@@ -681,16 +612,14 @@ KL_DEV void consume(const Params& p, const Work& w, int c, int tid, unsigned bas
     // ISSUE_SPLIT: a GEMM's second half of k-steps (rest1, rest2) is issued from inside the update
     // that runs under the GEMM, after that update's first row; otherwise they issue nothing.
     constexpr int SPLIT1 = ISSUE_SPLIT ? D1P / 32 : D1P / 16, SPLIT2 = ISSUE_SPLIT ? D2P / 32 : D2P / 16;
-#if OVERLAP
     auto rest1 = [&] {
 #if ISSUE_SPLIT
       KL_GEMM1(SPLIT1, D1P / 16);
       wgmma_commit();
 #endif
     };
-#endif
     auto rest2 = [&] {
-#if ISSUE_SPLIT && ABLATE != 2
+#if ISSUE_SPLIT
       KL_GEMM2(SPLIT2, D2P / 16);
       wgmma_commit();
 #endif
@@ -700,23 +629,16 @@ KL_DEV void consume(const Params& p, const Work& w, int c, int tid, unsigned bas
 #if !ISSUE_SPLIT
     wgmma_commit();
 #endif
-#if OVERLAP
     if (j > 0)
       update2_tile(prev_masked, e1, x2, r, prev_rel, j == 1, rest1);
     else
       rest1();
     __syncwarp();  // the per-thread fast / exact choice reconverges before wgmma (.aligned)
     wgmma_fence();
-#endif
-#if ABLATE != 2
     KL_GEMM2(0, SPLIT2);
-#endif
 #undef KL_GEMM1
 #undef KL_GEMM2
     wgmma_commit();
-#if PINGPONG
-    if (!(c == NWG - 1 && i == n - 1)) named_arrive(1 + (c + 1) % NWG, 256);
-#endif
     const bool masked = t >= n_full;
     const int cb = t * BN + 2 * (lane & 3);  // this thread's first column in the tile
     const int rel[2] = {lim[0] - cb, lim[1] - cb};
@@ -730,26 +652,12 @@ KL_DEV void consume(const Params& p, const Work& w, int c, int tid, unsigned bas
     wgmma_wait<0>();
     fence_regs<NR>(s2);
     if (tid == 0) mbar_arrive(empty + 8 * stage, STEP);  // DECODE: no other warpgroup reads it
-#if !WS
-    if (c == 0 && tid == 0 && i + STAGES < n) {
-      mbar_wait(empty + 8 * stage, phase);
-      load_k(p, base, full, sp.row0, t + STAGES, i + STAGES, w.h1, w.h2, sp.bq);
-    }
-    __syncwarp();  // warp 0 reconverges before its next wgmma (.sync.aligned)
-#endif
     scores2(s2, x2, r, p.c2);
-#if OVERLAP
     prev_masked = masked, prev_rel[0] = rel[0], prev_rel[1] = rel[1];
-#else
-    update2_tile(masked, e1, x2, r, rel, j == 0, [] {});
-    __syncwarp();  // and before the next tile's bar.sync and wgmma
-#endif
   }
-#if OVERLAP
   if (own > 0) {
     update2_tile(prev_masked, e1, x2, r, prev_rel, own == 1, [] {});
   }
-#endif
   finish(p, r, rows, sp.nq, lane, sp.out0, DECODE ? w.split * NWG + c : w.split, w.to_part, w.part0);
 }
 
@@ -776,7 +684,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kl_fwd(const __grid_con
     tma_prefetch(&p.k2);
   }
   __syncthreads();
-#if WS
   if (tid < 128) {
     regs_dec<REG_PROD>();
     if (tid == 0) {
@@ -792,13 +699,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kl_fwd(const __grid_con
   // Read through a shuffle, the warpgroup index is warp-uniform to the compiler, so the
   // descriptors built from it stay in uniform registers.
   consume(p, w, __shfl_sync(0xffffffffu, tid / 128, 0) - 1, tid % 128, base);
-#else
-  if (tid == 0) {
-    load_q(p, base, bar_q, w.sp.row0 + w.m0, w.h, w.sp.bq);
-    for (int i = 0; i < w.n && i < STAGES; ++i) load_k(p, base, full, w.sp.row0, w.t0 + i, i, w.h1, w.h2, w.sp.bq);
-  }
-  consume(p, w, tid / 128, tid % 128, base);
-#endif
 }
 
 
@@ -810,7 +710,6 @@ extern "C" __global__ void __launch_bounds__(128) kl_combine(const __grid_consta
   const long long o = (long long)blockIdx.x * 128 + threadIdx.x;  // the part row
   if (o >= p.rows) return;
   long long out = o;
-#if TAIL
   if (p.tail_splits > 0) {  // part row o: row o % BM of the split row tile o / BM
     const int unit = p.tail0 + (int)(o / BM), r = (int)(o % BM);
     int h, mt;
@@ -818,7 +717,6 @@ extern "C" __global__ void __launch_bounds__(128) kl_combine(const __grid_consta
     if (mt * BM + r >= p.nq) return;  // past Nq: never written
     out = ((long long)(unit / (p.h * p.m_tiles)) * p.h + h) * p.nq + mt * BM + r;
   }
-#endif
   float M1 = -KL_INF, M2 = -KL_INF;
   for (int s = 0; s < p.splits; ++s) {
     const float* q = p.part + ((long long)s * p.rows + o) * PART;

@@ -1,5 +1,5 @@
 // sm90.cuh: the few Hopper (sm_90a) instructions the kernels use, as inline PTX: mbarriers,
-// TMA tensor loads, wgmma, setmaxnreg and named barriers. No CUTLASS/CuTe; each wrapper is one
+// TMA tensor loads, wgmma and setmaxnreg. No CUTLASS/CuTe; each wrapper is one
 // instruction (or a wait loop around one), so what the kernel asks of the hardware stays visible.
 #pragma once
 
@@ -73,7 +73,7 @@ KL_DEV void tma_load_4d(unsigned dst, const TensorMap* map, int c0, int c1, int 
       : "memory");
 }
 
-// ---- registers and named barriers ----
+// ---- registers ----
 template <int N>
 KL_DEV void regs_dec() {
   asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(N));
@@ -81,12 +81,6 @@ KL_DEV void regs_dec() {
 template <int N>
 KL_DEV void regs_inc() {
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(N));
-}
-KL_DEV void named_sync(int id, int threads) {
-  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
-}
-KL_DEV void named_arrive(int id, int threads) {
-  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
 // ---- wgmma ----
@@ -123,30 +117,27 @@ KL_DEV float ex2(float x) {
   return y;
 }
 
-// wgmma m64nNk16 with fp32 accumulators d[N / 2]: D[64 x N] (+)= A[64 x 16] * B[N x 16]^T, both
+// wgmma m64n64k16 with fp32 accumulators d[32]: D[64 x 64] (+)= A[64 x 16] * B[64 x 16]^T, both
 // operands K-major in shared memory. ACC = false overwrites D (scale-d 0) and declares d written,
 // not read, so the compiler may keep other values in those registers until the GEMM is issued.
 #define KL_RW(x) "+f"(x)
 #define KL_WO(x) "=f"(x)
 #define KL_OPS8(M, b) M(d[b]), M(d[b + 1]), M(d[b + 2]), M(d[b + 3]), M(d[b + 4]), M(d[b + 5]), M(d[b + 6]), M(d[b + 7])
 #define KL_OPS32(M) KL_OPS8(M, 0), KL_OPS8(M, 8), KL_OPS8(M, 16), KL_OPS8(M, 24)
-#define KL_OPS64(M) KL_OPS32(M), KL_OPS8(M, 32), KL_OPS8(M, 40), KL_OPS8(M, 48), KL_OPS8(M, 56)
-#define KL_WGMMA(N, REGS, DESC_A, DESC_B, OPS)                                                        \
-  template <bool ACC>                                                                                \
-  KL_DEV void wgmma_m64n##N##k16(float* d, unsigned long long desc_a, unsigned long long desc_b) {   \
-    if constexpr (ACC)                                                                               \
-      asm volatile("wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." KL_AB "." KL_AB " " REGS ", "   \
-                   DESC_A ", " DESC_B ", 1, 1, 1, 0, 0;\n"                                            \
-                   : OPS(KL_RW)                                                                      \
-                   : "l"(desc_a), "l"(desc_b));                                                      \
-    else                                                                                             \
-      asm volatile("wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." KL_AB "." KL_AB " " REGS ", "   \
-                   DESC_A ", " DESC_B ", 0, 1, 1, 0, 0;\n"                                            \
-                   : OPS(KL_WO)                                                                      \
-                   : "l"(desc_a), "l"(desc_b));                                                      \
-  }
-KL_WGMMA(128, "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}", "%64", "%65", KL_OPS64)
-KL_WGMMA(64, "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}", "%32", "%33", KL_OPS32)
+#define KL_D32                                                                                              \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22," \
+  " %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+template <bool ACC>
+KL_DEV void wgmma_m64n64k16(float* d, unsigned long long desc_a, unsigned long long desc_b) {
+  if constexpr (ACC)
+    asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32." KL_AB "." KL_AB " " KL_D32 ", %32, %33, 1, 1, 1, 0, 0;\n"
+                 : KL_OPS32(KL_RW)
+                 : "l"(desc_a), "l"(desc_b));
+  else
+    asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32." KL_AB "." KL_AB " " KL_D32 ", %32, %33, 0, 1, 1, 0, 0;\n"
+                 : KL_OPS32(KL_WO)
+                 : "l"(desc_a), "l"(desc_b));
+}
 
 // wgmma m64n64k16 with A from registers: a[4] holds the thread's four bf16/f16 pairs of the 64 x 16
 // A tile in the mma.m16n8k16 A-fragment layout (warp w: rows 16 w + lane / 4 (+ 8), columns
@@ -154,15 +145,13 @@ KL_WGMMA(64, "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, 
 template <bool ACC>
 KL_DEV void wgmma_m64n64k16_rs(float* d, const unsigned* a, unsigned long long desc_b) {
   if constexpr (ACC)
-    asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32." KL_AB "." KL_AB
-                 " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20,"
-                 " %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, 1, 1, 1, 0;\n"
+    asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32." KL_AB "." KL_AB " " KL_D32
+                 ", {%32, %33, %34, %35}, %36, 1, 1, 1, 0;\n"
                  : KL_OPS32(KL_RW)
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
   else
-    asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32." KL_AB "." KL_AB
-                 " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20,"
-                 " %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, 0, 1, 1, 0;\n"
+    asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32." KL_AB "." KL_AB " " KL_D32
+                 ", {%32, %33, %34, %35}, %36, 0, 1, 1, 0;\n"
                  : KL_OPS32(KL_WO)
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
 }
