@@ -76,18 +76,7 @@ def auto_declines(spec: AttnKLSpec, inputs: AttnKLInputs) -> str | None:
 def forward(spec: AttnKLSpec, inputs: AttnKLInputs):
     from ._launch import forward as launch
 
-    q1, k1, q2, k2, cu_seqlens = inputs
-    return launch(
-        q1,
-        k1,
-        q2,
-        k2,
-        causal=spec.causal,
-        scale1=spec.scale1,
-        scale2=spec.scale2,
-        cu_seqlens=cu_seqlens,
-        max_seqlen=spec.max_seqlen,
-    )
+    return launch(spec, inputs)
 
 
 def backward(spec: AttnKLSpec, inputs: AttnKLInputs, stats, grad_kl):
