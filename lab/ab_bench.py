@@ -23,9 +23,10 @@ import sys
 from pathlib import Path
 
 
-def _run(tree: Path, out: Path, bench_args: list[str]) -> dict:
+def _run(tree: Path, out: Path, bench_args: list[str], commit: str | None) -> dict:
     env = dict(os.environ, PYTHONPATH=str(tree), PYTHONUNBUFFERED="1")
     cmd = [sys.executable, "benchmarks/bench.py", *bench_args, "--out", str(out), "--no-plots"]
+    cmd += ["--commit", commit] if commit else []
     print("+", " ".join(cmd), f"(in {tree})", flush=True)
     subprocess.run(cmd, cwd=tree, env=env, check=True)
     return json.loads((out / "results.json").read_text())
@@ -40,6 +41,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=fmt)
     parser.add_argument("--a", type=Path, required=True, help="the baseline tree")
     parser.add_argument("--b", type=Path, required=True, help="the candidate tree")
+    parser.add_argument("--a-commit", help="A's commit, recorded where its copy has no .git")
+    parser.add_argument("--b-commit", help="B's commit, likewise")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", type=Path, required=True)
     args, rest = parser.parse_known_args()
@@ -47,8 +50,8 @@ def main() -> None:
     times: dict[tuple, dict[str, list[float]]] = {}
     gemm: dict[str, list] = {"a": [], "b": []}
     for r in range(args.rounds):
-        for name, tree in (("a", args.a), ("b", args.b)):
-            data = _run(tree.resolve(), (args.out / f"{name}_{r}").resolve(), bench_args)
+        for name, tree, commit in (("a", args.a, args.a_commit), ("b", args.b, args.b_commit)):
+            data = _run(tree.resolve(), (args.out / f"{name}_{r}").resolve(), bench_args, commit)
             gemm[name].append(data["runs"][0].get("gemm"))
             for rec in data["records"]:
                 if rec.get("kind") == "streamkl" and rec.get("status") == "ok":
