@@ -12,21 +12,25 @@ class BackendCalls:
         self.impl = _dispatch.implementation(name, "attn_kl")
 
     @staticmethod
-    def _spec(q1, k1, q2, k2, causal, scale1, scale2, cu_seqlens, needs=None):
-        spec = _checks.attn_kl_spec(
-            q1, k1, q2, k2, causal=causal, scale1=scale1, scale2=scale2, cu_seqlens=cu_seqlens
-        )
+    def _spec(q1, k1, q2, k2, causal, scale1, scale2, cu_seqlens, needs=None, max_seqlen=None):
+        call = dict(causal=causal, scale1=scale1, scale2=scale2, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+        spec = _checks.attn_kl_spec(q1, k1, q2, k2, **call)
         return spec if needs is None else spec.with_needs(needs)
 
-    def forward(self, q1, k1, q2, k2, *, causal, scale1, scale2, cu_seqlens=None):
-        spec = self._spec(q1, k1, q2, k2, causal, scale1, scale2, cu_seqlens)
+    def supports(self, q1, k1, q2, k2, cu_seqlens=None):
+        spec = self._spec(q1, k1, q2, k2, False, None, None, cu_seqlens)
+        return self.impl.supports(spec, AttnKLInputs(q1, k1, q2, k2, cu_seqlens))
+
+    def forward(self, q1, k1, q2, k2, *, causal, scale1, scale2, cu_seqlens=None, max_seqlen=None):
+        spec = self._spec(q1, k1, q2, k2, causal, scale1, scale2, cu_seqlens, None, max_seqlen)
         return self.impl.forward(spec, AttnKLInputs(q1, k1, q2, k2, cu_seqlens))
 
     def backward(self, grad, q1, k1, q2, k2, kl, lse1, lse2, *, causal, scale1, scale2, cu_seqlens=None,
-                 needs=(True, True, True, True)):  # fmt: skip
-        spec = self._spec(q1, k1, q2, k2, causal, scale1, scale2, cu_seqlens, needs)
+                 max_seqlen=None, needs=(True, True, True, True)):  # fmt: skip
+        spec = self._spec(q1, k1, q2, k2, causal, scale1, scale2, cu_seqlens, needs, max_seqlen)
         inputs = AttnKLInputs(q1, k1, q2, k2, cu_seqlens)
         return _dispatch.backward_of(self.impl).backward(spec, inputs, AttnKLStats(kl, lse1, lse2), grad)
 
 
 reference = BackendCalls("reference")
+triton = BackendCalls("triton")

@@ -15,8 +15,6 @@ the cases here skip.
 
 from __future__ import annotations
 
-import collections
-import hashlib
 import os
 import re
 import subprocess
@@ -132,13 +130,12 @@ def specializations():
                     VARLEN=varlen,
                     SPLIT=split,
                     PREC=prec,
-                    ABLATE=0,
                 )
                 name = f"fwd-{dtype}-{d1}x{d2}-causal{int(causal)}-split{int(split)}-varlen{int(varlen)}"
                 out.append((name, _fwd._fwd_kernel, dtype, ce, cfg.num_warps, cfg.num_stages))
             for both in (False, True):
                 cq, ck = _config.bwd_cfgs(dims["D1P"], dims["D2P"], _torch_dtype(dtype), causal, False, both)
-                common = dict(dims, CAUSAL=causal, VARLEN=False, PREC=prec, ABLATE=0)
+                common = dict(dims, CAUSAL=causal, VARLEN=False, PREC=prec)
                 on = (True, True) if both else (False, True)
                 dq_on = dict(DQ1_ON=on[0], DQ2_ON=on[1])
                 for split in (False, True):
@@ -186,7 +183,6 @@ def specializations():
                 CAUSAL=False,
                 VARLEN=False,
                 PREC="tf32",
-                ABLATE=0,
                 BLOCK_M=bm,
                 BLOCK_N=bn,
                 DK1_ON=False,
@@ -218,76 +214,3 @@ def test_compiles_for_hopper(spec):
 
 def _opcode_count(compiled, prefix: str) -> int:
     return len(re.findall(rf"^\s+{re.escape(prefix)}", compiled.asm["ptx"], re.M))
-
-
-def test_forward_ablations_remove_what_they_say():
-    """Cfg.ablate builds the timing variants of benchmarks/triton_tune.py (docs/triton.md, where
-    the forward's time goes): each must drop exactly its part of the shipped kernel's work."""
-    cfg = _config.fwd_cfg(128, 128, _torch_dtype("bf16"), False, 1 << 14, False)
-    ptx = {}
-    for ablate in (0, 1, 2, 3):
-        ce = dict(
-            _dims(128, 128),
-            BLOCK_M=cfg.block_m,
-            BLOCK_N=cfg.block_n,
-            CAUSAL=False,
-            VARLEN=False,
-            SPLIT=False,
-            PREC="tf32",
-            ABLATE=ablate,
-        )
-        ptx[ablate] = _compile(_fwd._fwd_kernel, "bf16", ce, cfg.num_warps, cfg.num_stages)
-    mma = {a: _opcode_count(c, "wgmma.mma_async") for a, c in ptx.items()}
-    ex2 = {a: _opcode_count(c, "ex2.approx") for a, c in ptx.items()}
-    assert mma[0] > 0 and ex2[0] > 0
-    assert ex2[1] < ex2[0] / 4, "no tile exponentials: only the per-row rescales remain"
-    assert mma[2] == mma[0] // 2 and ex2[2] == ex2[0], "one GEMM, the same softmax work"
-    assert mma[3] == mma[0] and ex2[3] == 0, "the two GEMMs and nothing else"
-
-
-def test_backward_ablations_remove_what_they_say():
-    """The same for the backward kernels (setting 1, separate strategy): 1 and 3 leave no
-    exponential, 2 drops the S2 recompute GEMM, 3 keeps every GEMM."""
-    import torch
-
-    cq, ck = _config.bwd_cfgs(128, 128, torch.bfloat16, False, False, False)
-    for kernel, cfg, on in (
-        (_bwd._bwd_dq_kernel, cq, dict(SPLIT=False, DQ1_ON=False, DQ2_ON=True)),
-        (_bwd._bwd_dk_kernel, ck, dict(DK1_ON=False, DK2_ON=True, FQ1=False, FQ2=False)),
-    ):
-        mma, ex2 = {}, {}
-        for ablate in (0, 1, 2, 3):
-            ce = dict(
-                _dims(128, 128),
-                CAUSAL=False,
-                VARLEN=False,
-                PREC="tf32",
-                ABLATE=ablate,
-                BLOCK_M=cfg.block_m,
-                BLOCK_N=cfg.block_n,
-                **on,
-            )
-            if kernel is _bwd._bwd_dk_kernel:
-                ce["QROWS"] = cfg.qrows
-            compiled = _compile(kernel, "bf16", ce, cfg.num_warps, cfg.num_stages)
-            mma[ablate] = _opcode_count(compiled, "wgmma.mma_async")
-            ex2[ablate] = _opcode_count(compiled, "ex2.approx")
-        assert mma[0] > 0 and ex2[0] > 0
-        assert ex2[1] == 0 and mma[1] == mma[0]
-        assert 0 < mma[2] < mma[0] and ex2[2] == ex2[0]
-        assert ex2[3] == 0 and mma[3] == mma[0]
-
-
-def instruction_histogram(compiled) -> tuple[str, int]:
-    """(hash of the sorted opcode counts, instruction count) of the PTX."""
-    ops = collections.Counter(
-        m.group(1) for m in re.finditer(r"^\s+([a-z][a-z0-9._]+)", compiled.asm["ptx"], re.M)
-    )
-    return hashlib.sha256(repr(sorted(ops.items())).encode()).hexdigest()[:12], sum(ops.values())
-
-
-if __name__ == "__main__":
-    for name, kernel, dtype, constexprs, num_warps, num_stages in SPECS:
-        compiled = _compile(kernel, dtype, constexprs, num_warps, num_stages)
-        digest, count = instruction_histogram(compiled)
-        print(f"{name:55s} {digest} {count:6d} instructions, smem={compiled.metadata.shared}")

@@ -1,10 +1,12 @@
 """Check and time the triton backend's variants on one GPU, in one run.
 
-    PYTHONPATH=. python3 benchmarks/triton_tune.py [--parts fwd,ablate,ablate_bwd,split,bwd,decode_bwd]
+    PYTHONPATH=. python3 lab/triton/triton_tune.py [--parts fwd,split,bwd,decode_bwd]
 
-A variant is a set of kernel configs, passed to the launchers explicitly (None: the shipped
-table), plus the split-K and backward-strategy settings (STREAMKL_TRITON_SPLIT_K,
-STREAMKL_TRITON_BWD; None: the auto rules). For every variant: first a correctness check on fresh
+A variant is a set of kernel configs (None: the shipped table), put in place of every entry of
+the launchers' config tables for its run (`Variant.applied`: the tables of
+streamkl/backends/triton/_config.py, with the cached launch plans dropped before and after),
+plus the split-K and backward-strategy settings (STREAMKL_TRITON_SPLIT_K, STREAMKL_TRITON_BWD;
+None: the auto rules). For every variant: first a correctness check on fresh
 random data against the float64 dense formula (streamkl.testing.dense_attn_kl; forward kl/lse and
 the needed gradients, within the budgets of docs/contract.md, Numerics), then a timing with
 triton.testing.do_bench (median of repeats, warm-up excluded) on the benchmark shape (B=1, H=32,
@@ -14,11 +16,17 @@ the run, is the yardstick. Prints a table last; writes JSON to $OUT/triton_tune.
 FLOP counts (the GEMM count of benchmarks/providers.py, `attn_kl_flops`): forward =
 4*B*H*Nq*Nk*D (two GEMMs), backward of one setting = 8*B*H*Nq*Nk*D (four GEMMs: S1, S2
 recomputed, dq, dk), both settings = 12*B*H*Nq*Nk*D; all halved when causal with Nq == Nk.
+
+The ablations of the forward and backward kernels (no tile exponentials, one logit GEMM, the
+GEMMs alone), which needed a switch inside the shipped kernels, are gone from this script; their
+numbers and the commands that took them are in lab/notes/triton_log.md ("Where the forward's time
+goes, measured", and the backward's), and the script that ran them is in git history.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -32,6 +40,8 @@ import torch
 import triton
 from triton.testing import do_bench
 
+from streamkl import _checks
+from streamkl._spec import AttnKLInputs, AttnKLStats
 from streamkl.backends.triton import _config, _launch
 from streamkl.backends.triton._config import Cfg
 from streamkl.testing import dense_attn_kl, make_inputs
@@ -65,7 +75,7 @@ def gemm_tflops() -> float:
 
 def _cfg(c) -> Cfg | None:
     """A Cfg from its JSON form: a list of the fields in order (block_m, block_n, num_warps,
-    num_stages, ablate, qrows) or a dict of them; None stays None (the shipped table)."""
+    num_stages, qrows) or a dict of them; None stays None (the shipped table)."""
     if c is None or isinstance(c, Cfg):
         return c
     return Cfg(**c) if isinstance(c, dict) else Cfg(*c)
@@ -76,10 +86,52 @@ def cfg_list(c: Cfg | None):
     return None if c is None else list(dataclasses.astuple(c))
 
 
+@contextlib.contextmanager
+def replaced_tables(fwd: Cfg | None, bq: Cfg | None, bk: Cfg | None):
+    """The launchers' config tables (_config._FWD, _BWD_Q, _BWD_K) with every entry replaced by
+    `fwd`, `bq`, `bk` where not None, restored on exit. The launch plans are cached per call
+    spec, so both caches are dropped on the way in and out: every call inside builds its plan
+    from the replaced tables (the forward still fits BLOCK_M to Nq), none after reuses one."""
+    tables = ((_config._FWD, fwd), (_config._BWD_Q, bq), (_config._BWD_K, bk))
+    saved = [dict(table) for table, _ in tables]
+    for table, cfg in tables:
+        if cfg is not None:
+            table.update(dict.fromkeys(table, cfg))
+    _launch.fwd_plan.cache_clear()
+    _launch.bwd_plan.cache_clear()
+    try:
+        yield
+    finally:
+        for (table, _), old in zip(tables, saved):
+            table.clear()
+            table.update(old)
+        _launch.fwd_plan.cache_clear()
+        _launch.bwd_plan.cache_clear()
+
+
+@contextlib.contextmanager
+def environment(**values):
+    """Sets (or, for None, clears) environment variables, restored on exit."""
+    old = {key: os.environ.get(key) for key in values}
+    try:
+        for key, val in values.items():
+            if val is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = str(val)
+        yield
+    finally:
+        for key, val in old.items():
+            if val is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = val
+
+
 @dataclasses.dataclass(frozen=True)
 class Variant:
-    """What one row runs. fwd, bq, bk: the forward, dq and key-major kernel configs passed to
-    the launchers (None: the shipped table, streamkl/backends/triton/_config.py); split, bwd:
+    """What one row runs. fwd, bq, bk: the forward, dq and key-major kernel configs put in the
+    launchers' tables (None: the shipped table, streamkl/backends/triton/_config.py); split, bwd:
     STREAMKL_TRITON_SPLIT_K and STREAMKL_TRITON_BWD (None: the auto rules)."""
 
     fwd: Cfg | None = None
@@ -92,13 +144,13 @@ class Variant:
     def of(cls, fwd=None, bq=None, bk=None, split=None, bwd=None) -> Variant:
         return cls(_cfg(fwd), _cfg(bq), _cfg(bk), split, bwd)
 
-    def set_env(self) -> None:
-        """Sets (or clears) the two variables the launchers read on every call."""
-        for key, val in (("STREAMKL_TRITON_SPLIT_K", self.split), ("STREAMKL_TRITON_BWD", self.bwd)):
-            if val is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = str(val)
+    @contextlib.contextmanager
+    def applied(self):
+        """The launchers run this variant inside: its configs in the tables, its settings in the
+        two variables they read on every call."""
+        env = dict(STREAMKL_TRITON_SPLIT_K=self.split, STREAMKL_TRITON_BWD=self.bwd)
+        with replaced_tables(self.fwd, self.bq, self.bk), environment(**env):
+            yield
 
 
 SHIPPED = Variant()
@@ -107,8 +159,8 @@ SHIPPED = Variant()
 def _prewarm_one(job):
     variant, chk = job
     try:
-        variant.set_env()
-        check(variant, **chk)
+        with variant.applied():
+            check(**chk)
         return None
     except Exception as e:  # noqa: BLE001 - reported again by the main process
         return f"{variant} {type(e).__name__}: {str(e)[:120]}"
@@ -129,30 +181,22 @@ def prewarm(jobs, workers):
         log(f"  prewarm failure: {e}")
 
 
-def run_fwd(variant, q1, k1, q2, k2, causal):
-    s1, s2 = 1 / math.sqrt(q1.shape[-1]), 1 / math.sqrt(q2.shape[-1])
-    return _launch.forward(
-        q1, k1, q2, k2, causal=causal, scale1=s1, scale2=s2, cu_seqlens=None, max_seqlen=None, cfg=variant.fwd
-    )
+def call(q1, k1, q2, k2, causal, needs=None):
+    """The launchers' (spec, inputs) of a dense call at scales 1/sqrt(D), validated once here so
+    that a timed call pays the launcher alone; `needs` (dq1, dk1, dq2, dk2) for a backward."""
+    spec = _checks.attn_kl_spec(q1, k1, q2, k2, causal=causal, scale1=None, scale2=None)
+    if needs is not None:
+        spec = spec.with_needs(needs)
+    return spec, AttnKLInputs(q1, k1, q2, k2)
 
 
-def run_bwd(variant, g, q1, k1, q2, k2, out, causal, needs):
-    s1, s2 = 1 / math.sqrt(q1.shape[-1]), 1 / math.sqrt(q2.shape[-1])
-    return _launch.backward(
-        g,
-        q1,
-        k1,
-        q2,
-        k2,
-        *out,
-        causal=causal,
-        scale1=s1,
-        scale2=s2,
-        cu_seqlens=None,
-        max_seqlen=None,
-        needs=needs,
-        cfgs=(variant.bq, variant.bk),
-    )
+def run_fwd(q1, k1, q2, k2, causal):
+    return _launch.forward(*call(q1, k1, q2, k2, causal))
+
+
+def run_bwd(g, q1, k1, q2, k2, out, causal, needs):
+    spec, inputs = call(q1, k1, q2, k2, causal, needs)
+    return _launch.backward(spec, inputs, AttnKLStats(*out), g)
 
 
 NEEDS = {
@@ -162,15 +206,15 @@ NEEDS = {
 }
 
 
-def check(variant, kind, causal, nq, nk, dtype=torch.bfloat16, d=128, h=4, seed=None, groups=(2, 4)):
-    """Max error / budget ratio (<= 1 passes) of `variant` on fresh data (its env settings set).
+def check(kind, causal, nq, nk, dtype=torch.bfloat16, d=128, h=4, seed=None, groups=(2, 4)):
+    """Max error / budget ratio (<= 1 passes) of the variant applied on fresh data.
     groups: query heads per key head of each side (default GQA 2 and 4: two key-major launches)."""
     seed = int(time.time_ns() % 2**31) if seed is None else seed
     hk1, hk2 = max(1, h // groups[0]), max(1, h // groups[1])
     q1, k1, q2, k2 = make_inputs(
         b=1, h=h, nq=nq, nk=nk, d1=d, d2=d, hk1=hk1, hk2=hk2, dtype=dtype, device="cuda", seed=seed
     )
-    kl, l1, l2 = run_fwd(variant, q1, k1, q2, k2, causal)
+    kl, l1, l2 = run_fwd(q1, k1, q2, k2, causal)
     ref_in = [t.detach().double().requires_grad_() for t in (q1, k1, q2, k2)]
     rkl, rl1, rl2 = dense_attn_kl(*ref_in, causal=causal, return_lse=True)
     tol = 2e-3 if dtype != torch.float32 else 1e-4
@@ -183,7 +227,7 @@ def check(variant, kind, causal, nq, nk, dtype=torch.bfloat16, d=128, h=4, seed=
         return worst
     g = torch.randn_like(kl)
     rkl.backward(g.double())
-    grads = run_bwd(variant, g, q1, k1, q2, k2, (kl, l1, l2), causal, NEEDS[kind])
+    grads = run_bwd(g, q1, k1, q2, k2, (kl, l1, l2), causal, NEEDS[kind])
     gtol = 2e-2 if dtype != torch.float32 else 1e-3
     for got, ref in zip(grads, ref_in):
         if got is None:
@@ -195,7 +239,7 @@ def check(variant, kind, causal, nq, nk, dtype=torch.bfloat16, d=128, h=4, seed=
 
 _SEEN_KERNELS: set[int] = set()
 _CONSTS = (
-    *("BLOCK_M", "BLOCK_N", "QROWS", "ABLATE", "CAUSAL"),
+    *("BLOCK_M", "BLOCK_N", "QROWS", "CAUSAL"),
     *("DK1_ON", "DK2_ON", "DQ1_ON", "DQ2_ON", "FQ1", "FQ2"),
 )  # the constexprs a resource row names
 
@@ -255,11 +299,12 @@ def _inputs(nq, nk, seed):
     return make_inputs(b=B, h=H, nq=nq, nk=nk, d1=D, d2=D, dtype=torch.bfloat16, device="cuda", seed=seed)
 
 
-def time_fwd(v, ns, causal, gemm, **row):
-    """Time variant `v`'s forward at N = Nq = Nk for each N in ns; record a row each."""
+def time_fwd(ns, causal, gemm, **row):
+    """Time the applied variant's forward at N = Nq = Nk for each N in ns; record a row each."""
     for n in ns:
         q1, k1, q2, k2 = _inputs(n, n, n)
-        ms = bench(lambda: run_fwd(v, q1, k1, q2, k2, causal))  # noqa: B023 - timed at once
+        spec, inputs = call(q1, k1, q2, k2, causal)
+        ms = bench(lambda: _launch.forward(spec, inputs))  # noqa: B023 - timed at once
         tf = flops("fwd", B, H, n, n, D, causal) / ms / 1e9
         record(shape=f"B{B} H{H} N{n} D{D}", ms=ms, tflops=tf, frac_gemm=tf / gemm, causal=causal, n=n, **row)
 
@@ -285,24 +330,24 @@ def kernel_ms(fn, iters=5) -> dict[str, float]:
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
-def time_bwd(v, ns, kind, causal, gemm, memory=False, per_kernel=False, resources=False, **row):
-    """Time variant `v`'s backward of `kind` at each N in ns; record a row each, with the
+def time_bwd(ns, kind, causal, gemm, memory=False, per_kernel=False, resources=False, **row):
+    """Time the applied variant's backward of `kind` at each N in ns; record a row each, with the
     peak device memory beyond inputs, forward outputs and the gradients when `memory`, and the
     device time of each launch when `per_kernel`, and the registers and spills of the kernels
     it compiled when `resources`."""
     for n in ns:
         q1, k1, q2, k2 = _inputs(n, n, n)
-        out = run_fwd(v, q1, k1, q2, k2, causal)
-        g = torch.randn_like(out[0])
-        ms = bench(lambda: run_bwd(v, g, q1, k1, q2, k2, out, causal, NEEDS[kind]))  # noqa: B023
+        out = AttnKLStats(*run_fwd(q1, k1, q2, k2, causal))
+        g = torch.randn_like(out.kl)
+        spec, inputs = call(q1, k1, q2, k2, causal, NEEDS[kind])
+        bwd = lambda: _launch.backward(spec, inputs, out, g)  # noqa: B023, E731 - timed at once
+        ms = bench(bwd)
         tf = flops(kind, B, H, n, n, D, causal) / ms / 1e9
         if resources:
             row["kernels"] = new_kernel_resources()
         if per_kernel:
             try:
-                row["kernels_ms"] = kernel_ms(
-                    lambda: run_bwd(v, g, q1, k1, q2, k2, out, causal, NEEDS[kind])  # noqa: B023
-                )
+                row["kernels_ms"] = kernel_ms(bwd)
                 split = ", ".join(f"{k} {v:.3f} ms" for k, v in row["kernels_ms"].items())
                 log(f"       per kernel: {split}")
             except Exception as e:  # noqa: BLE001 - a profiler failure must not lose the timing
@@ -311,7 +356,7 @@ def time_bwd(v, ns, kind, causal, gemm, memory=False, per_kernel=False, resource
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
-            grads = run_bwd(v, g, q1, k1, q2, k2, out, causal, NEEDS[kind])
+            grads = bwd()
             torch.cuda.synchronize()
             own = sum(t.numel() * t.element_size() for t in grads if t is not None)
             row["extra_mem_mb"] = (torch.cuda.max_memory_allocated() - base - own) / 2**20
@@ -324,104 +369,14 @@ def part_fwd(args, gemm):
     chk = lambda causal: dict(kind="fwd", causal=causal, nq=1000, nk=1000 if causal else 1111)  # noqa: E731
     prewarm([(v, chk(causal)) for causal, v in plan], args.workers)
     for causal, v in plan:
-        v.set_env()
         name = "default" if v.fwd is None else tuple(cfg_list(v.fwd))
         try:
-            err = check(v, **chk(causal))
-            label = f"fwd {'causal' if causal else 'full'} {name}"
-            time_fwd(v, args.ns, causal, gemm, part="fwd", variant=label, check=err, cfg=cfg_list(v.fwd))
+            with v.applied():
+                err = check(**chk(causal))
+                label = f"fwd {'causal' if causal else 'full'} {name}"
+                time_fwd(args.ns, causal, gemm, part="fwd", variant=label, check=err, cfg=cfg_list(v.fwd))
         except Exception as e:  # noqa: BLE001 - a config that fails to compile is a result
             log(f"fwd {v.fwd} causal={causal} FAILED: {type(e).__name__}: {str(e)[:200]}")
-    SHIPPED.set_env()
-
-
-ABLATIONS = {0: "shipped", 1: "no tile exp2", 2: "one GEMM (S2 := S1)", 3: "GEMMs alone"}
-
-
-def part_ablate(args, gemm):
-    """Where the forward's time goes: the shipped config, then the same kernel without the tile
-    exponentials, with one of its two GEMMs, and with nothing but the two GEMMs (Cfg.ablate;
-    wrong results by design, so only the shipped variant is checked). TFLOP/s always count the
-    full forward's FLOPs, so the rows compare as times."""
-
-    def variant_of(causal, a):
-        c = _config.fwd_cfg(128, 128, torch.bfloat16, causal, 1 << 14, False)
-        return Variant(fwd=dataclasses.replace(c, ablate=a), split="off")
-
-    plan = [(causal, a, variant_of(causal, a)) for causal in (False, True) for a in args.ablations]
-    chk = lambda causal: dict(kind="fwd", causal=causal, nq=1000, nk=1000 if causal else 1111)  # noqa: E731
-    prewarm([(v, chk(causal)) for causal, _, v in plan], args.workers)
-    for causal, a, v in plan:
-        v.set_env()
-        try:
-            err = check(v, **chk(causal)) if a == 0 else None
-            label = f"fwd {'causal' if causal else 'full'} {ABLATIONS[a]}"
-            time_fwd(
-                v,
-                args.ns,
-                causal,
-                gemm,
-                part="ablate",
-                variant=label,
-                check=err,
-                ablate=a,
-                cfg=cfg_list(v.fwd),
-            )
-        except Exception as e:  # noqa: BLE001
-            log(f"ablate {a} causal={causal} FAILED: {type(e).__name__}: {str(e)[:200]}")
-    SHIPPED.set_env()
-
-
-def part_ablate_bwd(args, gemm):
-    """Where the backward's time goes: the shipped separate strategy (dq kernel + key-major dk
-    kernel), then both kernels without exponentials, with one recomputed logit GEMM (S2 := S1),
-    and with the GEMMs alone (Cfg.ablate; only the shipped variant is checked); each row also
-    splits its time per kernel (profiler). A last row per (kind, causal) times the fused strategy
-    with the same tiles (4 GEMMs instead of separate's 6, dq by atomics). TFLOP/s count the full
-    backward (four GEMMs) so the rows compare as times."""
-
-    def variant_of(kind, causal, a):
-        cq, ck = _config.bwd_cfgs(128, 128, torch.bfloat16, causal, False, kind == "bwd12")
-        ablate = 0 if a == "fused" else a
-        return Variant(
-            bq=dataclasses.replace(cq, ablate=ablate),
-            bk=dataclasses.replace(ck, ablate=ablate),
-            split="off",
-            bwd="fused" if a == "fused" else "separate",
-        )
-
-    plan = [
-        (kind, causal, a, variant_of(kind, causal, a))
-        for kind in args.bwd_kinds
-        for causal in (False, True)
-        for a in [*args.ablations, "fused"]
-    ]
-    chk = lambda kind, causal: dict(kind=kind, causal=causal, nq=700, nk=700 if causal else 777)  # noqa: E731
-    prewarm([(v, chk(k, c)) for k, c, _, v in plan], args.workers)
-    for kind, causal, a, v in plan:
-        v.set_env()
-        try:
-            err = check(v, **chk(kind, causal)) if a in (0, "fused") else None
-            name = "fused strategy, shipped tiles" if a == "fused" else ABLATIONS[a]
-            label = f"{kind} {'causal' if causal else 'full'} {name}"
-            time_bwd(
-                v,
-                args.bwd_ns,
-                kind,
-                causal,
-                gemm,
-                per_kernel=True,
-                part="ablate_" + kind,
-                variant=label,
-                check=err,
-                ablate=v.bq.ablate,
-                strategy=v.bwd,
-                cfg_q=cfg_list(v.bq),
-                cfg_k=cfg_list(v.bk),
-            )
-        except Exception as e:  # noqa: BLE001
-            log(f"ablate {kind} {a} causal={causal} FAILED: {type(e).__name__}: {str(e)[:200]}")
-    SHIPPED.set_env()
 
 
 def part_split(args, gemm):
@@ -432,12 +387,12 @@ def part_split(args, gemm):
     for nk in args.split_nks:
         for nq in args.split_nqs:
             q1, k1, q2, k2 = _inputs(nq, nk, nq)
+            spec, inputs = call(q1, k1, q2, k2, False)
             for split in splits:
-                v = Variant(split=split)
-                v.set_env()
                 try:
-                    err = check(v, **chk(nq)) if split in ("off", "auto", 8) else None
-                    ms = bench(lambda: run_fwd(v, q1, k1, q2, k2, False), 100)  # noqa: B023
+                    with Variant(split=split).applied():
+                        err = check(**chk(nq)) if split in ("off", "auto", 8) else None
+                        ms = bench(lambda: _launch.forward(spec, inputs), 100)  # noqa: B023
                     tf = flops("fwd", b, h, nq, nk, d, False) / ms / 1e9
                     cfg = _config.fwd_cfg(128, 128, torch.bfloat16, False, nq, False)
                     chosen = _config.split_count(
@@ -462,7 +417,6 @@ def part_split(args, gemm):
                     )
                 except Exception as e:  # noqa: BLE001
                     log(f"split {split} nq={nq} FAILED: {type(e).__name__}: {str(e)[:200]}")
-    SHIPPED.set_env()
 
 
 def part_bwd(args, gemm):
@@ -476,34 +430,32 @@ def part_bwd(args, gemm):
     chk = lambda kind, causal: dict(kind=kind, causal=causal, nq=700, nk=700 if causal else 777)  # noqa: E731
     prewarm([(v, chk(kind, causal)) for kind, causal, v in plan], args.workers)
     for kind, causal, v in plan:
-        v.set_env()
         bq, bk = cfg_list(v.bq), cfg_list(v.bk)
         try:
-            err = check(v, **chk(kind, causal))
-            label = f"{v.bwd[:3]} {'causal' if causal else 'full'} " + (
-                "default"
-                if bq is None and bk is None
-                else f"q{'=table' if bq is None else tuple(bq)} k{'=table' if bk is None else tuple(bk)}"
-            )
-            time_bwd(
-                v,
-                args.bwd_ns,
-                kind,
-                causal,
-                gemm,
-                memory=True,
-                per_kernel=True,
-                resources=True,
-                part=kind,
-                variant=label,
-                check=err,
-                strategy=v.bwd,
-                cfg_q=bq,
-                cfg_k=bk,
-            )
+            with v.applied():
+                err = check(**chk(kind, causal))
+                label = f"{v.bwd[:3]} {'causal' if causal else 'full'} " + (
+                    "default"
+                    if bq is None and bk is None
+                    else f"q{'=table' if bq is None else tuple(bq)} k{'=table' if bk is None else tuple(bk)}"
+                )
+                time_bwd(
+                    args.bwd_ns,
+                    kind,
+                    causal,
+                    gemm,
+                    memory=True,
+                    per_kernel=True,
+                    resources=True,
+                    part=kind,
+                    variant=label,
+                    check=err,
+                    strategy=v.bwd,
+                    cfg_q=bq,
+                    cfg_k=bk,
+                )
         except Exception as e:  # noqa: BLE001
             log(f"{kind} {v.bwd} {bq} {bk} causal={causal} FAILED: {type(e).__name__}: {str(e)[:300]}")
-    SHIPPED.set_env()
 
 
 def part_decode_bwd(args, gemm):
@@ -536,7 +488,7 @@ def part_decode_bwd(args, gemm):
 
     chk = lambda nq, causal: dict(kind="bwd1", causal=causal, nq=nq, nk=3000)  # noqa: E731
     # all four gradients with one key head per query head (one key-major launch forms dk1 and
-    # dk2): the case whose dk1 came out wrong at 16-row key-major tiles (docs/triton.md)
+    # dk2): the case whose dk1 came out wrong at 16-row key-major tiles (lab/notes/triton_log.md)
     chk_all = lambda nq, causal: dict(kind="bwd12", causal=causal, nq=nq, nk=4096, h=8, groups=(1, 1))  # noqa: E731
     checks = (chk, chk_all)  # their specializations differ (GQA, both settings): compile both
     cases = [(nq, m) for nq in args.split_nqs for m in (False, True)]
@@ -547,14 +499,15 @@ def part_decode_bwd(args, gemm):
             q1, k1, q2, k2 = _inputs(nq, nk, nq)
             for causal in (False, True):
                 g = torch.randn(B, H, nq, device="cuda")
-                out = run_fwd(SHIPPED, q1, k1, q2, k2, causal)
+                out = AttnKLStats(*run_fwd(q1, k1, q2, k2, causal))
+                spec, inputs = call(q1, k1, q2, k2, causal, NEEDS["bwd1"])
                 for name, v in variants(nq):
-                    v.set_env()
                     try:
-                        errs = [check(v, **chk(nq, causal))]
-                        errs += [check(v, **chk_all(nq, causal)) for _ in range(3)]
-                        err = max(errs)
-                        ms = bench(lambda: run_bwd(v, g, q1, k1, q2, k2, out, causal, NEEDS["bwd1"]), 100)  # noqa: B023
+                        with v.applied():
+                            errs = [check(**chk(nq, causal))]
+                            errs += [check(**chk_all(nq, causal)) for _ in range(3)]
+                            err = max(errs)
+                            ms = bench(lambda: _launch.backward(spec, inputs, out, g), 100)  # noqa: B023
                         tf = flops("bwd1", B, H, nq, nk, D, False) / ms / 1e9
                         record(
                             part="decode_bwd",
@@ -573,7 +526,6 @@ def part_decode_bwd(args, gemm):
                         )
                     except Exception as e:  # noqa: BLE001
                         log(f"decode_bwd {name} nq={nq} nk={nk} FAILED: {type(e).__name__}: {str(e)[:200]}")
-    SHIPPED.set_env()
 
 
 def dump(args, meta):
@@ -604,7 +556,6 @@ def main():
             [[64, 64, 8, 2], [32, 64, 4, 2]],
         ],
     )
-    p.add_argument("--ablations", type=int, nargs="+", default=[0, 1, 2, 3])
     p.add_argument("--splits", nargs="+", default=["off", "auto", "2", "4", "8", "16", "32", "64"])
     p.add_argument("--strategies", nargs="+", default=["separate", "fused"])
     p.add_argument("--workers", type=int, default=min(12, os.cpu_count() or 1))
@@ -631,8 +582,6 @@ def main():
     meta.update(gemm_tflops_start=gemm0)
     for name, fn in (
         ("fwd", part_fwd),
-        ("ablate", part_ablate),
-        ("ablate_bwd", part_ablate_bwd),
         ("split", part_split),
         ("bwd", part_bwd),
         ("decode_bwd", part_decode_bwd),

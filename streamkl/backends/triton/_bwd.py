@@ -43,12 +43,9 @@ def _row_state(LSE1, LSE2, KLp, G, row, mmask):
 
 
 @triton.jit
-def _prob(t, L, ABLATE: tl.constexpr):
-    """P = 2^(t - L). ABLATE: Cfg.ablate (1 and 3 leave out the exponential)."""
-    if ABLATE == 1 or ABLATE == 3:
-        return t - L
-    else:
-        return tl.math.exp2(t - L)
+def _prob(t, L):
+    """P = 2^(t - L)."""
+    return tl.math.exp2(t - L)
 
 
 @triton.jit
@@ -102,34 +99,23 @@ def _bwd_dq_inner(
     DQ1: tl.constexpr,
     DQ2: tl.constexpr,
     PREC: tl.constexpr,
-    ABLATE: tl.constexpr,
 ):
     offs_n = tl.arange(0, BLOCK_N)
     for n0 in range(lo, hi, BLOCK_N):
         k1 = load_tile(K1, n0, k_len, stride_k1n, stride_k1d, BLOCK_N, D1, D1P, MASKED)
         k2 = load_tile(K2, n0, k_len, stride_k2n, stride_k2d, BLOCK_N, D2, D2P, MASKED)
-        s1 = tl.dot(q1, tl.trans(k1), input_precision=PREC)
-        t1 = s1 * c1
-        if ABLATE == 2:
-            t2 = s1 * c2
-        else:
-            t2 = tl.dot(q2, tl.trans(k2), input_precision=PREC) * c2
+        t1 = tl.dot(q1, tl.trans(k1), input_precision=PREC) * c1
+        t2 = tl.dot(q2, tl.trans(k2), input_precision=PREC) * c2
         if MASKED:
             valid = visible(offs_m[:, None], (n0 + offs_n)[None, :], k_len, diag, CAUSAL)
             t1 = tl.where(valid, t1, float("-inf"))
             t2 = tl.where(valid, t2, float("-inf"))
-        p1 = _prob(t1, L1[:, None], ABLATE)
+        p1 = _prob(t1, L1[:, None])
         if DQ2:
-            if ABLATE == 3:
-                ds2 = t1 + t2
-            else:
-                ds2 = ds_student(g[:, None], p1, _prob(t2, L2[:, None], ABLATE))
+            ds2 = ds_student(g[:, None], p1, _prob(t2, L2[:, None]))
             dq2 += tl.dot(ds2.to(k2.dtype), k2, input_precision=PREC)
         if DQ1:
-            if ABLATE == 3:
-                ds1 = t1 - t2
-            else:
-                ds1 = ds_teacher(g[:, None], p1, t1, t2, c[:, None])
+            ds1 = ds_teacher(g[:, None], p1, t1, t2, c[:, None])
             if MASKED:
                 ds1 = tl.where(valid, ds1, 0.0)
             dq1 += tl.dot(ds1.to(k1.dtype), k1, input_precision=PREC)
@@ -189,7 +175,6 @@ def _bwd_dq_kernel(
     DQ1_ON: tl.constexpr,
     DQ2_ON: tl.constexpr,
     PREC: tl.constexpr,
-    ABLATE: tl.constexpr,  # timing variants only (Cfg.ablate); 0 in every shipped launch
 ):
     # grid: (cdiv(Nq, BLOCK_M) [* n_splits when SPLIT], H, B or num_seqs). A program owns one
     # [BLOCK_M, D] tile of queries of head h (q1, q2 and their row statistics, loaded once) and
@@ -260,7 +245,6 @@ def _bwd_dq_kernel(
         DQ1_ON,
         DQ2_ON,
         PREC,
-        ABLATE,
     )
     dq1, dq2 = _bwd_dq_inner(
         dq1,
@@ -294,7 +278,6 @@ def _bwd_dq_kernel(
         DQ1_ON,
         DQ2_ON,
         PREC,
-        ABLATE,
     )
     if SPLIT:  # this split's share, rows of [n_splits, B * H * Nq, D] float32
         DQ1 += split.to(tl.int64) * n_rows * D1
@@ -351,7 +334,6 @@ def _bwd_kv_inner(
     FQ2: tl.constexpr,
     PREC: tl.constexpr,
     QROWS: tl.constexpr,
-    ABLATE: tl.constexpr,
 ):
     # Walks query tiles [lo, hi) against one key tile. QROWS lays the tiles out queries x keys
     # ([BM, BN], as the dq kernel does): the per-query statistics then sit along rows, two
@@ -373,9 +355,7 @@ def _bwd_kv_inner(
             s1 = tl.dot(k1, tl.trans(q1), input_precision=PREC)  # [BN, BM]
             L1b, L2b, cb, gb = L1[None, :], L2[None, :], c[None, :], g[None, :]
         t1 = s1 * c1
-        if ABLATE == 2:
-            t2 = s1 * c2
-        elif QROWS:
+        if QROWS:
             t2 = tl.dot(q2, tl.trans(k2), input_precision=PREC) * c2
         else:
             t2 = tl.dot(k2, tl.trans(q2), input_precision=PREC) * c2
@@ -386,12 +366,9 @@ def _bwd_kv_inner(
                 valid = visible(offs_m[None, :], offs_n[:, None], k_len, diag, CAUSAL)
             t1 = tl.where(valid, t1, float("-inf"))
             t2 = tl.where(valid, t2, float("-inf"))
-        p1 = _prob(t1, L1b, ABLATE)
+        p1 = _prob(t1, L1b)
         if NEED2:
-            if ABLATE == 3:
-                ds2 = (t1 + t2).to(q2.dtype)
-            else:
-                ds2 = ds_student(gb, p1, _prob(t2, L2b, ABLATE)).to(q2.dtype)
+            ds2 = ds_student(gb, p1, _prob(t2, L2b)).to(q2.dtype)
             if DK2:
                 dk2 += tl.dot(_keys_by_queries(ds2, QROWS), q2, input_precision=PREC)
             if FQ2:
@@ -403,10 +380,7 @@ def _bwd_kv_inner(
                     sem="relaxed",
                 )
         if NEED1:
-            if ABLATE == 3:
-                ds1 = t1 - t2
-            else:
-                ds1 = ds_teacher(gb, p1, t1, t2, cb)
+            ds1 = ds_teacher(gb, p1, t1, t2, cb)
             if MASKED:
                 ds1 = tl.where(valid, ds1, 0.0)
             ds1 = ds1.to(q1.dtype)
@@ -480,7 +454,6 @@ def _bwd_dk_kernel(
     FQ2: tl.constexpr,
     PREC: tl.constexpr,
     QROWS: tl.constexpr,
-    ABLATE: tl.constexpr,  # timing variants only (Cfg.ablate); 0 in every shipped launch
 ):
     # grid: (cdiv(Nk, BLOCK_N), H // GG, B or num_seqs). The program owns one key tile of key
     # group `hg` and walks the GG query heads hg*GG .. hg*GG+GG-1 (GG = g1 when it computes dk1,
@@ -575,7 +548,6 @@ def _bwd_dk_kernel(
             FQ2,
             PREC,
             QROWS,
-            ABLATE,
         )
         dk1, dk2 = _bwd_kv_inner(
             dk1,
@@ -620,7 +592,6 @@ def _bwd_dk_kernel(
             FQ2,
             PREC,
             QROWS,
-            ABLATE,
         )
     if DK1_ON:
         hk = hg * GG // G1

@@ -1,9 +1,9 @@
 """Launch configurations and the two selection rules (split-K forward, fused backward).
 
 Configs are fixed tables keyed on (head-dim bucket, fp32 or not, and causal for the forward or
-both gradient settings for the backward), measured on an H200 with
-benchmarks/triton_tune.py (numbers in docs/triton.md): nothing is tuned at run time, so a
-training loop compiles each specialization once and never re-times anything.
+both gradient settings for the backward), measured on an H200 with lab/triton/triton_tune.py
+(numbers in docs/triton.md): nothing is tuned at run time, so a training loop compiles each
+specialization once and never re-times anything.
 """
 
 from __future__ import annotations
@@ -19,13 +19,6 @@ H200_SMS = 132
 class Cfg:
     """One kernel's tiles and launch options.
 
-    ablate: the value of every kernel's ABLATE constexpr. 0 in every table row; the others build
-    the timing variants of benchmarks/triton_tune.py (docs/triton.md, "Where the forward's time
-    goes" and "Where the backward's time goes"), whose results are wrong by design:
-        1  no tile exponentials (P := t - m in the forward, t - L in the backward);
-        2  one logit GEMM: S2 := S1 (the forward does not load k2);
-        3  the GEMMs alone: the logit tiles are only summed (the backward's dS is a sum of the
-           logits, so its per-query statistics are dead code).
     qrows: the key-major backward kernel's tile layout: queries x keys (per-query statistics
     along rows; dS^T reaches the dk GEMM through shared memory) instead of keys x queries.
     """
@@ -34,7 +27,6 @@ class Cfg:
     block_n: int
     num_warps: int
     num_stages: int
-    ablate: int = 0
     qrows: bool = False
 
 
@@ -115,37 +107,22 @@ def _key(d1p: int, d2p: int, dtype: torch.dtype) -> tuple[int, bool]:
     return (min(d, 256), dtype == torch.float32)
 
 
-def fwd_cfg(
-    d1p: int, d2p: int, dtype: torch.dtype, causal: bool, nq: int, interpret: bool, cfg: Cfg | None = None
-) -> Cfg:
-    """The forward's config: `cfg` (benchmarks/triton_tune.py's variants) or the table's, with
-    BLOCK_M fitted to Nq."""
-    if cfg is None:
-        cfg = INTERPRET_CFG if interpret else _FWD[(*_key(d1p, d2p, dtype), bool(causal))]
+def fwd_cfg(d1p: int, d2p: int, dtype: torch.dtype, causal: bool, nq: int, interpret: bool) -> Cfg:
+    """The forward's config: the table's, with BLOCK_M fitted to Nq."""
+    cfg = INTERPRET_CFG if interpret else _FWD[(*_key(d1p, d2p, dtype), bool(causal))]
     # Decode-sized Nq: a BLOCK_M no larger than Nq (at least 16, tl.dot's minimum).
     bm = max(16, min(cfg.block_m, _next_pow2(nq)))
-    return Cfg(bm, cfg.block_n, cfg.num_warps if bm >= 64 else 4, cfg.num_stages, cfg.ablate)
+    return Cfg(bm, cfg.block_n, cfg.num_warps if bm >= 64 else 4, cfg.num_stages)
 
 
 def bwd_cfgs(
-    d1p: int,
-    d2p: int,
-    dtype: torch.dtype,
-    causal: bool,
-    interpret: bool,
-    both: bool = False,
-    cfgs: tuple[Cfg | None, Cfg | None] | None = None,
+    d1p: int, d2p: int, dtype: torch.dtype, causal: bool, interpret: bool, both: bool = False
 ) -> tuple[Cfg, Cfg]:
-    """(dq kernel, key-major kernel) configs; `both`: gradients of both settings requested.
-    `cfgs` (benchmarks/triton_tune.py's variants) replaces either table entry that is not None."""
+    """(dq kernel, key-major kernel) configs; `both`: gradients of both settings requested."""
     if interpret:
-        q, k = INTERPRET_CFG, INTERPRET_BWD_K_CFG
-    else:
-        key = (*_key(d1p, d2p, dtype), bool(both))
-        q, k = _BWD_Q[key], _BWD_K[key]
-    if cfgs is not None:
-        q, k = cfgs[0] or q, cfgs[1] or k
-    return q, k
+        return INTERPRET_CFG, INTERPRET_BWD_K_CFG
+    key = (*_key(d1p, d2p, dtype), bool(both))
+    return _BWD_Q[key], _BWD_K[key]
 
 
 def split_count(n_ctas: int, nk_tiles: int, num_sms: int, forced: int | None, block_m: int = 128) -> int:

@@ -26,12 +26,9 @@ from ._tiles import key_range, load_tile, sequence, split_keys, split_program, v
 
 
 @triton.jit
-def _online_step(m1, l1, m2, l2, acc, t1, t2, valid, MASKED: tl.constexpr, ABLATE: tl.constexpr):
+def _online_step(m1, l1, m2, l2, acc, t1, t2, valid, MASKED: tl.constexpr):
     """One key tile of the online form (module docstring) on log2-scaled logits t1, t2 [BM, BN].
-    MASKED: `valid` marks the pairs seen; the rest enter as t = -inf and weigh nothing.
-    ABLATE: Cfg.ablate (3 keeps only a sum of each logit tile, so the two GEMMs stay live)."""
-    if ABLATE == 3:
-        return m1, l1 + tl.sum(t1, 1), m2, l2 + tl.sum(t2, 1), acc
+    MASKED: `valid` marks the pairs seen; the rest enter as t = -inf and weigh nothing."""
     if MASKED:
         t1 = tl.where(valid, t1, float("-inf"))
         t2 = tl.where(valid, t2, float("-inf"))
@@ -45,12 +42,8 @@ def _online_step(m1, l1, m2, l2, acc, t1, t2, valid, MASKED: tl.constexpr, ABLAT
         m2u = m2n
     a1 = tl.math.exp2(m1 - m1u)
     a2 = tl.math.exp2(m2 - m2u)
-    if ABLATE == 1:
-        p1 = t1 - m1u[:, None]
-        p2 = t2 - m2u[:, None]
-    else:
-        p1 = tl.math.exp2(t1 - m1u[:, None])
-        p2 = tl.math.exp2(t2 - m2u[:, None])
+    p1 = tl.math.exp2(t1 - m1u[:, None])
+    p2 = tl.math.exp2(t2 - m2u[:, None])
     d = t1 - t2
     if MASKED:
         d = tl.where(valid, d, 0.0)
@@ -107,26 +100,19 @@ def _fwd_inner(
     MASKED: tl.constexpr,
     CAUSAL: tl.constexpr,
     PREC: tl.constexpr,
-    ABLATE: tl.constexpr,
 ):
     # Streams key tiles [lo, hi). MASKED tiles apply the key bound and the causal frontier
     # (row i sees key j <= i + diag); unmasked tiles are fully visible to every row of the tile.
-    # ABLATE: Cfg.ablate (2: S2 := S1, k2 never loaded).
     offs_n = tl.arange(0, BLOCK_N)
     for n0 in range(lo, hi, BLOCK_N):
         k1 = load_tile(K1, n0, k_len, stride_k1n, stride_k1d, BLOCK_N, D1, D1P, MASKED)
-        if ABLATE != 2:
-            k2 = load_tile(K2, n0, k_len, stride_k2n, stride_k2d, BLOCK_N, D2, D2P, MASKED)
-        s1 = tl.dot(q1, tl.trans(k1), input_precision=PREC)
-        t1 = s1 * c1  # S1 * log2(e)   [BM, BN]
-        if ABLATE == 2:
-            t2 = s1 * c2
-        else:
-            t2 = tl.dot(q2, tl.trans(k2), input_precision=PREC) * c2  # S2 * log2(e)   [BM, BN]
+        k2 = load_tile(K2, n0, k_len, stride_k2n, stride_k2d, BLOCK_N, D2, D2P, MASKED)
+        t1 = tl.dot(q1, tl.trans(k1), input_precision=PREC) * c1  # S1 * log2(e)   [BM, BN]
+        t2 = tl.dot(q2, tl.trans(k2), input_precision=PREC) * c2  # S2 * log2(e)   [BM, BN]
         valid = 0
         if MASKED:
             valid = visible(offs_m[:, None], (n0 + offs_n)[None, :], k_len, diag, CAUSAL)
-        m1, l1, m2, l2, acc = _online_step(m1, l1, m2, l2, acc, t1, t2, valid, MASKED, ABLATE)
+        m1, l1, m2, l2, acc = _online_step(m1, l1, m2, l2, acc, t1, t2, valid, MASKED)
     return m1, l1, m2, l2, acc
 
 
@@ -178,7 +164,6 @@ def _fwd_kernel(
     VARLEN: tl.constexpr,
     SPLIT: tl.constexpr,
     PREC: tl.constexpr,
-    ABLATE: tl.constexpr,  # timing variants only (Cfg.ablate); 0 in every shipped launch
 ):
     # grid: (cdiv(Nq, BLOCK_M) [* n_splits when SPLIT], H, B or num_seqs). A program owns one
     # [BLOCK_M, D] tile of queries of head h (q1 and q2, loaded once) and streams [BLOCK_N, D]
@@ -244,7 +229,6 @@ def _fwd_kernel(
         False,
         CAUSAL,
         PREC,
-        ABLATE,
     )
     m1, l1, m2, l2, acc = _fwd_inner(
         m1,
@@ -275,7 +259,6 @@ def _fwd_kernel(
         True,
         CAUSAL,
         PREC,
-        ABLATE,
     )
 
     row = (b64 * H + h) * NQ + seq64 + offs_m

@@ -1,10 +1,11 @@
 """Launchers: pick configs, allocate outputs, pass every stride (no input is ever copied).
 
 What a launch needs besides the tensors (configs, grids, split count, constexprs, the backward
-strategy and its key-major launches) is a plan, computed once per key by `fwd_plan` /
-`bwd_plan` (functools.lru_cache) from the sizes, dtype, flags, device and the STREAMKL_TRITON_*
-settings. The launchers read those settings through streamkl._env on every call and pass their
-values in, so a call pays a cache lookup, never the selection rules. `_launch` then skips
+strategy and its key-major launches, the size and scale arguments) is a plan, computed once per
+key by `fwd_plan` / `bwd_plan` (functools.lru_cache) from the call's spec (streamkl._spec), the
+dtype, the device and the STREAMKL_TRITON_* settings. The launchers read those settings through
+streamkl._env on every call and pass their values in, so a call pays a cache lookup, never the
+selection rules. `_launch` then skips
 Triton's per-call argument binding for a launch it has seen before (docs/overhead.md).
 """
 
@@ -20,9 +21,10 @@ from triton.runtime import driver
 from triton.runtime.jit import JITFunction
 
 from ... import _env
+from ..._spec import AttnKLInputs, AttnKLSpec, AttnKLStats
 from . import _config
 from ._bwd import _bwd_dk_kernel, _bwd_dq_kernel
-from ._config import Cfg, pow2_dim
+from ._config import pow2_dim
 from ._fwd import _fwd_kernel, _merge_kernel
 
 LOG2E = 1.4426950408889634
@@ -130,133 +132,101 @@ def _strides(q1, k1, q2, k2):
     return (*q1.stride(), *k1.stride(), *q2.stride(), *k2.stride())
 
 
-def _geometry(q1, k1, q2, k2, cu_seqlens, max_seqlen):
-    B, H, NQ, D1 = q1.shape
-    NK = k1.shape[2]
-    D2 = q2.shape[3]
-    g1 = H // k1.shape[1]
-    g2 = H // k2.shape[1]
-    if cu_seqlens is not None:
-        n_seqs = cu_seqlens.numel() - 1
-        rows = int(max_seqlen)
-        zdim = n_seqs
-    else:
-        rows = NQ
-        zdim = B
-    return B, H, NQ, NK, D1, D2, g1, g2, rows, zdim
+def _grid_z(spec: AttnKLSpec) -> int:
+    """The grids' third axis: the batch, or the number of packed sequences."""
+    return spec.num_seqs if spec.packed else spec.batch
 
 
 class FwdPlan(NamedTuple):
     grid: tuple[int, int, int]
     splits: int  # key splits (1: no split, no merge)
-    split_len: int  # keys per split
     consts: dict  # _fwd_kernel's constexprs and launch options
+    scalars: (
+        tuple  # _fwd_kernel's arguments after the strides: H, NQ, NK, G1, G2, c1, c2, split_len, n_splits
+    )
     merge_grid: tuple[int] | None
     merge_consts: dict | None
+    merge_scalars: tuple | None  # _merge_kernel's ROWS, n_splits
 
 
 @functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
 def fwd_plan(
-    H: int,
-    NQ: int,
-    NK: int,
-    D1: int,
-    D2: int,
-    rows: int,
-    zdim: int,
-    dtype: torch.dtype,
-    causal: bool,
-    varlen: bool,
-    device: torch.device,
-    forced_splits: int | None,
-    cfg: Cfg | None,
-    n_rows: int,
+    spec: AttnKLSpec, dtype: torch.dtype, device: torch.device, forced_splits: int | None
 ) -> FwdPlan:
-    """The forward's launches. rows: query rows per grid slot (Nq, or max_seqlen when varlen);
-    zdim: the grid's third axis (B or the number of packed sequences); forced_splits: the value
-    of STREAMKL_TRITON_SPLIT_K (_env.triton_split_k); cfg: a config replacing the table's
-    (benchmarks/triton_tune.py); n_rows: B * H * Nq, the rows the split-K merge covers."""
-    D1P, D2P = pow2_dim(D1), pow2_dim(D2)
-    cfg = _config.fwd_cfg(D1P, D2P, dtype, causal, rows, device.type != "cuda", cfg)
+    """The forward's launches for a call of `spec` with at least one output row. forced_splits:
+    the value of STREAMKL_TRITON_SPLIT_K (_env.triton_split_k), None when packed."""
+    D1P, D2P = pow2_dim(spec.d1), pow2_dim(spec.d2)
+    rows, zdim = spec.seq_q, _grid_z(spec)  # query rows per grid slot: Nq, or max_seqlen when packed
+    cfg = _config.fwd_cfg(D1P, D2P, dtype, spec.causal, rows, device.type != "cuda")
     m_tiles = triton.cdiv(rows, cfg.block_m)
-    nk = rows if varlen else NK
-    splits, split_len = _key_splits(zdim * H * m_tiles, nk, cfg, varlen, device, forced_splits)
+    ctas = zdim * spec.heads * m_tiles
+    splits, split_len = _key_splits(ctas, spec.seq_k, cfg, spec.packed, device, forced_splits)
     consts = dict(
-        D1=D1,
-        D2=D2,
+        D1=spec.d1,
+        D2=spec.d2,
         D1P=D1P,
         D2P=D2P,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
-        CAUSAL=causal,
-        VARLEN=varlen,
+        CAUSAL=spec.causal,
+        VARLEN=spec.packed,
         SPLIT=splits > 1,
         PREC=_prec(dtype),
-        ABLATE=int(cfg.ablate),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
-    merge_grid = merge_consts = None
+    scalars = (
+        spec.heads,
+        spec.nq,
+        spec.nk,
+        spec.group1,
+        spec.group2,
+        spec.scale1 * LOG2E,
+        spec.scale2 * LOG2E,
+        split_len,
+        splits,
+    )
+    merge_grid = merge_consts = merge_scalars = None
     if splits > 1:
-        merge_grid = (triton.cdiv(n_rows, MERGE_BLOCK_R),)
+        merge_grid = (triton.cdiv(spec.rows, MERGE_BLOCK_R),)
         merge_consts = dict(SPLITS_P=triton.next_power_of_2(splits), BLOCK_R=MERGE_BLOCK_R, num_warps=4)
-    return FwdPlan((m_tiles * splits, H, zdim), splits, split_len, consts, merge_grid, merge_consts)
+        merge_scalars = (spec.rows, splits)
+    return FwdPlan(
+        (m_tiles * splits, spec.heads, zdim), splits, consts, scalars, merge_grid, merge_consts, merge_scalars
+    )
 
 
-def forward(q1, k1, q2, k2, *, causal, scale1, scale2, cu_seqlens, max_seqlen, cfg: Cfg | None = None):
-    """The backend's forward (streamkl/backends/__init__.py). cfg: a forward config replacing
-    the table's (benchmarks/triton_tune.py's variants); BLOCK_M still fits Nq."""
-    B, H, NQ, NK, D1, D2, g1, g2, rows, zdim = _geometry(q1, k1, q2, k2, cu_seqlens, max_seqlen)
+def forward(spec: AttnKLSpec, inputs: AttnKLInputs):
+    """The backend's forward (streamkl/_backend.py): (kl, lse1, lse2), each (B, H, Nq) float32."""
+    q1, k1, q2, k2, cu_seqlens = inputs
     dev = q1.device
-    kl = torch.empty((B, H, NQ), device=dev, dtype=torch.float32)
+    kl = torch.empty((spec.batch, spec.heads, spec.nq), device=dev, dtype=torch.float32)
     lse1 = torch.empty_like(kl)
     lse2 = torch.empty_like(kl)
-    n_rows = B * H * NQ
-    if n_rows == 0:
+    if kl.numel() == 0:
         return kl, lse1, lse2
-    varlen = cu_seqlens is not None
-    forced = None if varlen else _env.triton_split_k()
-    plan = fwd_plan(H, NQ, NK, D1, D2, rows, zdim, q1.dtype, bool(causal), varlen, dev, forced, cfg, n_rows)
-    cu = cu_seqlens if varlen else kl  # placeholder pointer when not varlen (never read)
+    plan = fwd_plan(spec, q1.dtype, dev, None if spec.packed else _env.triton_split_k())
+    cu = cu_seqlens if spec.packed else kl  # placeholder pointer when not packed (never read)
     part = kl  # placeholder pointer without split-K (never read)
     if plan.splits > 1:
-        part = torch.empty((5, plan.splits, B, H, NQ), device=dev, dtype=torch.float32)
-    args = (
-        q1,
-        k1,
-        q2,
-        k2,
-        kl,
-        lse1,
-        lse2,
-        part,
-        cu,
-        *_strides(q1, k1, q2, k2),
-        H,
-        NQ,
-        NK,
-        g1,
-        g2,
-        float(scale1) * LOG2E,
-        float(scale2) * LOG2E,
-        plan.split_len,
-        plan.splits,
-    )
+        part = torch.empty((5, plan.splits, spec.batch, spec.heads, spec.nq), device=dev, dtype=torch.float32)
+    args = (q1, k1, q2, k2, kl, lse1, lse2, part, cu, *_strides(q1, k1, q2, k2), *plan.scalars)
     _launch(_fwd_kernel, plan.grid, args, plan.consts)
     if plan.merge_grid is not None:
-        args = (part, kl, lse1, lse2, n_rows, plan.splits)
-        _launch(_merge_kernel, plan.merge_grid, args, plan.merge_consts)
+        _launch(
+            _merge_kernel, plan.merge_grid, (part, kl, lse1, lse2, *plan.merge_scalars), plan.merge_consts
+        )
     return kl, lse1, lse2
 
 
 class KeyMajorLaunch(NamedTuple):
     grid: tuple[int, int, int]
-    gg: int  # query heads a program walks (its key-head group)
     dk1: bool  # writes dk1
     dk2: bool  # writes dk2
     fq1: bool  # adds dq1 into its fp32 accumulator (fused)
     fq2: bool  # adds dq2 into its fp32 accumulator (fused)
     consts: dict  # _bwd_dk_kernel's constexprs and launch options
+    scalars: tuple  # arguments after the strides: H, HK1, HK2, NQ, NK, G1, G2, GG, c1, c2, scale1, scale2
 
 
 class BwdPlan(NamedTuple):
@@ -265,7 +235,9 @@ class BwdPlan(NamedTuple):
     dq_grid: tuple[int, int, int] | None  # None: no dq launch
     dq_consts: dict | None  # _bwd_dq_kernel's constexprs and launch options
     dq_splits: int  # key splits of the dq launch (1: none; else float32 shares, summed after)
-    dq_split_len: int  # keys per split
+    # _bwd_dq_kernel's arguments after the strides: H, NQ, NK, G1, G2, c1, c2, scale1, scale2,
+    # split_len, n_splits, n_rows
+    dq_scalars: tuple | None
 
 
 def _key_splits(ctas, nk, cfg, varlen, device, forced_splits) -> tuple[int, int]:
@@ -284,35 +256,25 @@ def _key_splits(ctas, nk, cfg, varlen, device, forced_splits) -> tuple[int, int]
 
 @functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
 def bwd_plan(
-    H: int,
-    D1: int,
-    D2: int,
-    g1: int,
-    g2: int,
-    rows: int,
-    nk: int,
-    zdim: int,
-    dtype: torch.dtype,
-    causal: bool,
-    varlen: bool,
-    needs: tuple[bool, bool, bool, bool],
-    device: torch.device,
-    strategy: str,
-    cfgs: tuple[Cfg | None, Cfg | None] | None,
-    forced_splits: int | None = None,
+    spec: AttnKLSpec, dtype: torch.dtype, device: torch.device, strategy: str, forced_splits: int | None
 ) -> BwdPlan:
-    """The backward's launches. rows, zdim as in fwd_plan; nk: keys per grid slot; strategy:
-    the value of STREAMKL_TRITON_BWD (_env.triton_bwd); cfgs: (dq, key-major) configs replacing
-    the table's where not None (benchmarks/triton_tune.py); forced_splits: as in fwd_plan, for
-    the dq launch, which splits the key axis by the forward's rule (few query-row tiles)."""
-    need_dq1, need_dk1, need_dq2, need_dk2 = needs
-    D1P, D2P = pow2_dim(D1), pow2_dim(D2)
+    """The backward's launches for a call of `spec` with at least one row, one key and one
+    gradient needed (spec.needs). strategy: the value of STREAMKL_TRITON_BWD (_env.triton_bwd);
+    forced_splits: as in fwd_plan, for the dq launch, which splits the key axis by the forward's
+    rule (few query-row tiles)."""
+    need_dq1, need_dk1, need_dq2, need_dk2 = needs = spec.needs
+    H, g1, g2 = spec.heads, spec.group1, spec.group2
+    rows, nk, zdim = spec.seq_q, spec.seq_k, _grid_z(spec)  # per grid slot
+    D1P, D2P = pow2_dim(spec.d1), pow2_dim(spec.d2)
     both = (need_dq1 or need_dk1) and (need_dq2 or need_dk2)
-    cq, ck = _config.bwd_cfgs(D1P, D2P, dtype, causal, device.type != "cuda", both, cfgs)
-    dims = dict(D1=D1, D2=D2, D1P=D1P, D2P=D2P, CAUSAL=causal, VARLEN=varlen, PREC=_prec(dtype))
+    cq, ck = _config.bwd_cfgs(D1P, D2P, dtype, spec.causal, device.type != "cuda", both)
+    dims = dict(
+        D1=spec.d1, D2=spec.d2, D1P=D1P, D2P=D2P, CAUSAL=spec.causal, VARLEN=spec.packed, PREC=_prec(dtype)
+    )
     if strategy == "auto":
         strategy = choose_bwd(zdim, H, rows, nk, g1, g2, needs, cq, ck, _num_sms(device))
     fused = strategy == "fused" and (need_dk1 or need_dk2) and (need_dq1 or need_dq2)
+    c1, c2 = spec.scale1 * LOG2E, spec.scale2 * LOG2E
 
     # Key-major launches: one per distinct grouping of the key heads. With g1 == g2 a single
     # launch serves dk1 and dk2; otherwise dk1 walks groups of g1 heads and dk2 groups of g2.
@@ -338,19 +300,31 @@ def bwd_plan(
             FQ1=f1,
             FQ2=f2,
             QROWS=ck.qrows,
-            ABLATE=ck.ablate,
             num_warps=ck.num_warps,
             num_stages=ck.num_stages,
             **dims,
         )
-        key_major.append(
-            KeyMajorLaunch((triton.cdiv(nk, ck.block_n), H // gg, zdim), gg, do1, do2, f1, f2, consts)
+        scalars = (
+            H,
+            spec.heads_kv1,
+            spec.heads_kv2,
+            spec.nq,
+            spec.nk,
+            g1,
+            g2,
+            gg,
+            c1,
+            c2,
+            spec.scale1,
+            spec.scale2,
         )
-    dq_grid = dq_consts = None
-    splits, split_len = 1, nk
+        grid = (triton.cdiv(nk, ck.block_n), H // gg, zdim)
+        key_major.append(KeyMajorLaunch(grid, do1, do2, f1, f2, consts, scalars))
+    dq_grid = dq_consts = dq_scalars = None
+    splits = 1
     if not fused and (need_dq1 or need_dq2):
         m_tiles = triton.cdiv(rows, cq.block_m)
-        splits, split_len = _key_splits(zdim * H * m_tiles, nk, cq, varlen, device, forced_splits)
+        splits, split_len = _key_splits(zdim * H * m_tiles, nk, cq, spec.packed, device, forced_splits)
         dq_grid = (m_tiles * splits, H, zdim)
         dq_consts = dict(
             BLOCK_M=cq.block_m,
@@ -358,12 +332,25 @@ def bwd_plan(
             SPLIT=splits > 1,
             DQ1_ON=need_dq1,
             DQ2_ON=need_dq2,
-            ABLATE=cq.ablate,
             num_warps=cq.num_warps,
             num_stages=cq.num_stages,
             **dims,
         )
-    return BwdPlan(fused, tuple(key_major), dq_grid, dq_consts, splits, split_len)
+        dq_scalars = (
+            H,
+            spec.nq,
+            spec.nk,
+            g1,
+            g2,
+            c1,
+            c2,
+            spec.scale1,
+            spec.scale2,
+            split_len,
+            splits,
+            spec.rows,
+        )
+    return BwdPlan(fused, tuple(key_major), dq_grid, dq_consts, splits, dq_scalars)
 
 
 def _dq_accumulator(dq: torch.Tensor) -> torch.Tensor:
@@ -373,30 +360,12 @@ def _dq_accumulator(dq: torch.Tensor) -> torch.Tensor:
     return torch.zeros(dq.shape, device=dq.device, dtype=torch.float32)
 
 
-def backward(
-    grad_kl,
-    q1,
-    k1,
-    q2,
-    k2,
-    kl,
-    lse1,
-    lse2,
-    *,
-    causal,
-    scale1,
-    scale2,
-    cu_seqlens,
-    max_seqlen,
-    needs,
-    cfgs: tuple[Cfg | None, Cfg | None] | None = None,
-):
-    """The backend's backward (streamkl/backends/__init__.py). cfgs: (dq kernel, key-major
-    kernel) configs replacing the table's where not None (benchmarks/triton_tune.py)."""
-    B, H, NQ, NK, D1, D2, g1, g2, rows, zdim = _geometry(q1, k1, q2, k2, cu_seqlens, max_seqlen)
-    needs = tuple(bool(x) for x in needs)
-    need_dq1, need_dk1, need_dq2, need_dk2 = needs
-    empty = B * H * NQ == 0 or NK == 0
+def backward(spec: AttnKLSpec, inputs: AttnKLInputs, stats: AttnKLStats, grad_kl: torch.Tensor):
+    """The backend's backward (streamkl/_backend.py): (dq1, dk1, dq2, dk2), each contiguous in
+    its input's shape and dtype where spec.needs asks for it, else None."""
+    q1, k1, q2, k2, cu_seqlens = inputs
+    need_dq1, need_dk1, need_dq2, need_dk2 = needs = spec.needs
+    empty = spec.rows == 0 or spec.nk == 0
     alloc = torch.zeros_like if empty else torch.empty_like  # nothing to launch: zero gradients
     dq1 = alloc(q1, memory_format=torch.contiguous_format) if need_dq1 else None
     dk1 = alloc(k1, memory_format=torch.contiguous_format) if need_dk1 else None
@@ -406,33 +375,11 @@ def backward(
     if empty or not any(needs):
         return out
     grad_kl = grad_kl.to(torch.float32).contiguous()
-    kl, lse1, lse2 = (t.to(torch.float32).contiguous() for t in (kl, lse1, lse2))
-    varlen = cu_seqlens is not None
-    nk = rows if varlen else NK
-    plan = bwd_plan(
-        H,
-        D1,
-        D2,
-        g1,
-        g2,
-        rows,
-        nk,
-        zdim,
-        q1.dtype,
-        bool(causal),
-        varlen,
-        needs,
-        q1.device,
-        _env.triton_bwd(),
-        cfgs,
-        None if varlen else _env.triton_split_k(),
-    )
-    cu = cu_seqlens if varlen else kl  # placeholder pointer when not varlen (never read)
+    kl, lse1, lse2 = (t.to(torch.float32).contiguous() for t in stats)
+    forced = None if spec.packed else _env.triton_split_k()
+    plan = bwd_plan(spec, q1.dtype, q1.device, _env.triton_bwd(), forced)
+    cu = cu_seqlens if spec.packed else kl  # placeholder pointer when not packed (never read)
     dummy = kl  # placeholder pointer of an output a launch does not write (never read)
-    c1 = float(scale1) * LOG2E
-    c2 = float(scale2) * LOG2E
-    s1 = float(scale1)
-    s2 = float(scale2)
     strides = _strides(q1, k1, q2, k2)
     dqa1 = dqa2 = None
     if plan.fused:
@@ -454,18 +401,7 @@ def backward(
             dqa2 if la.fq2 else dummy,
             cu,
             *strides,
-            H,
-            k1.shape[1],
-            k2.shape[1],
-            NQ,
-            NK,
-            g1,
-            g2,
-            la.gg,
-            c1,
-            c2,
-            s1,
-            s2,
+            *la.scalars,
         )
         _launch(_bwd_dk_kernel, la.grid, args, la.consts)
     if plan.fused:
@@ -474,7 +410,6 @@ def backward(
         if need_dq2 and dqa2 is not dq2:
             dq2.copy_(dqa2)
     if plan.dq_grid is not None:
-        n_rows = B * H * NQ
         out1, out2 = dq1, dq2
         if plan.dq_splits > 1:  # each split writes its float32 share; their sum is dq
             out1, out2 = (
@@ -496,18 +431,7 @@ def backward(
             out2 if need_dq2 else dummy,
             cu,
             *strides,
-            H,
-            NQ,
-            NK,
-            g1,
-            g2,
-            c1,
-            c2,
-            s1,
-            s2,
-            plan.dq_split_len,
-            plan.dq_splits,
-            n_rows,
+            *plan.dq_scalars,
         )
         _launch(_bwd_dq_kernel, plan.dq_grid, args, plan.dq_consts)
         if plan.dq_splits > 1:
