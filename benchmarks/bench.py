@@ -160,12 +160,46 @@ def _cpu_name() -> str:
         return platform.processor() or platform.machine()
 
 
+def _version(*dists: str) -> str | None:
+    """The installed version of the first of `dists` found (a package renamed across releases)."""
+    for name in dists:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def _nvrtc() -> str | None:
+    """NVRTC's version as cuda-python loads it (what the cuda backend compiles with), if it loads."""
+    try:
+        from cuda.bindings import nvrtc
+
+        err, major, minor = nvrtc.nvrtcVersion()
+    except Exception:  # noqa: BLE001 - no cuda-python, or no NVRTC library: recorded as unknown
+        return None
+    return f"{major}.{minor}" if int(err) == 0 else None
+
+
+def _driver() -> str | None:
+    """The NVIDIA driver release (nvidia-smi), or None where there is none."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True, text=True, check=True, timeout=30,
+        )  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip().splitlines()[0] if out.stdout.strip() else None
+
+
 def environment(device: torch.device, argv: list[str], commit: str | None = None) -> dict:
+    """What a result must record to be reproduced: date, command, commit, card and software."""
     dirty = None  # unknown where --commit names the commit: a copy without .git
     if commit is None:
         commit = (_git("rev-parse", "HEAD") or "").strip() or None
         dirty = bool(_git("status", "--porcelain", "--untracked-files=no")) if commit else None
-    triton = next((dist.version for dist in importlib.metadata.distributions(name="triton")), None)
+    cuda = device.type == "cuda"
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "argv": argv,
@@ -173,9 +207,14 @@ def environment(device: torch.device, argv: list[str], commit: str | None = None
         "dirty": dirty,
         "python": platform.python_version(),
         "torch": torch.__version__,
-        "triton": triton,
+        "triton": _version("triton"),
+        "cuda_python": _version("cuda-python", "cuda-bindings"),
+        "nvrtc": _nvrtc(),
         "cuda": torch.version.cuda,
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name(),
+        "cudnn": torch.backends.cudnn.version() if cuda else None,
+        "driver": _driver() if cuda else None,
+        "device": torch.cuda.get_device_name(device) if cuda else _cpu_name(),
+        "capability": ".".join(map(str, torch.cuda.get_device_capability(device))) if cuda else None,
         "device_type": device.type,
         "platform": platform.platform(),
     }

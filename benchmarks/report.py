@@ -128,6 +128,28 @@ def headline(data: dict, sweeps: list[str] | None = None) -> str:
     return table([*header, "speed-up", "fp32 baselines, ms (exact, not competitors)"], rows)
 
 
+SOFTWARE = {  # environment key: how the runs table names it (keys a run lacks are left out)
+    "torch": "torch",
+    "triton": "triton",
+    "cuda_python": "cuda-python",
+    "nvrtc": "NVRTC",
+    "cuda": "CUDA",
+    "cudnn": "cuDNN",
+    "driver": "driver",
+}
+
+
+def software(env: dict) -> str:
+    """The versions a run recorded, in one cell: 'torch 2.11.0, triton 3.6.0, ..., driver 570.1'."""
+    return ", ".join(f"{name} {env[key]}" for key, name in SOFTWARE.items() if env.get(key) is not None)
+
+
+def device_name(env: dict) -> str:
+    """The card, with its compute capability where the run recorded one."""
+    cap = env.get("capability")
+    return f"{env['device']} (sm {cap})" if cap else env["device"]
+
+
 def markdown(data: dict) -> str:
     records, runs, providers, sweeps = data["records"], [], {}, {}
     for i, run in enumerate(data["runs"]):
@@ -137,7 +159,7 @@ def markdown(data: dict) -> str:
         commit = (env.get("commit") or "unknown")[:12] + (" (dirty)" if env.get("dirty") else "")
         yard = " / ".join(f"{g['tflops']:.0f}" for g in (gemm.get("start"), gemm.get("end")) if g)
         copy = f"{run['copy']['gbps']:,.0f}" if run.get("copy") else "—"
-        versions = f"torch {env['torch']}, triton {env.get('triton')}, CUDA {env.get('cuda')}"
+        versions = software(env)
         command = f"`{' '.join(env['argv'])}`"
         runs.append([i, env["date"], f"`{commit}`", command, versions, yard or "— (CUDA only)", copy])
     device = data["runs"][0]["environment"]["device"]
@@ -146,7 +168,7 @@ def markdown(data: dict) -> str:
     runs_header.append("copy GB/s")
     parts = [
         f"# streamkl benchmarks: {device}\n",
-        f"Device: {device}.\n\n" + table(runs_header, runs),
+        f"Device: {device_name(data['runs'][0]['environment'])}.\n\n" + table(runs_header, runs),
         "## Providers\n\nTFLOP/s count the useful GEMM work of the case (`benchmarks/providers.py`, "
         "`attn_kl_flops`), whatever a provider computes; % of GEMM is against the run's bf16 GEMM at its "
         "start. Errors are against float64 on the last query rows (KL: max over rows of |kl - ref| / max(1, "

@@ -1,9 +1,11 @@
 """The benchmark harness (benchmarks/bench.py, providers.py, report.py) on CPU: the smoke run
 with every provider that runs here, the report from JSON, merged runs, failures recorded rather
-than fatal, the FLOP count, and the README's generated headline."""
+than fatal, the FLOP count, the README's generated headline, and what every result records; the
+host-cost table (benchmarks/overhead.py) from its JSON; benchmarks/ on streamkl's public API."""
 
 from __future__ import annotations
 
+import ast
 import copy
 import json
 import math
@@ -14,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks import bench, providers, report
+from benchmarks import bench, overhead, providers, report
 from benchmarks.providers import Case, Provider, attn_kl_flops, visible_pairs
 from streamkl.testing import visible_mask
 
@@ -28,6 +30,21 @@ CPU_PROVIDERS = (
     "sdpa-trick-flash",
 )
 EXACT = ("streamkl-reference", "torch-fp32", "torch.compile-fp32")
+# what every result records to be reproduced: when, the command, the commit, the card, the software
+RECORDED = (
+    "date", "argv", "commit", "dirty", "device", "capability", "python", "torch", "triton", "cuda_python",
+    "nvrtc", "cuda", "cudnn", "driver",
+)  # fmt: skip
+# the product's benchmark and its providers: the files that must use streamkl's public API only
+PRODUCT = (
+    "__init__.py",
+    "bench.py",
+    "providers.py",
+    "report.py",
+    "sdpa_trick.py",
+    "overhead.py",
+    "test_speed.py",
+)
 
 
 @pytest.mark.parametrize("nq,nk", [(1, 1), (1, 7), (5, 5), (7, 3), (3, 7), (64, 128)])
@@ -78,8 +95,8 @@ def _ok(records, **match):
 def test_smoke_run_measures_every_cpu_provider(smoke_run):
     _, data = smoke_run
     env = data["runs"][0]["environment"]
-    for key in ("date", "argv", "commit", "torch", "triton", "cuda", "device"):
-        assert key in env
+    for key in RECORDED:
+        assert key in env, key
     assert env["torch"] == torch.__version__ and env["argv"][1:] == ["--smoke", "--out", env["argv"][-1]]
     records = data["records"]
     assert {r["sweep"] for r in records} == set(bench.SWEEPS)
@@ -314,3 +331,86 @@ def test_decode_forward_is_set_against_the_copy_bandwidth(smoke_run):
     forward, train = section.split("### training")[:2]
     assert "% of copy" in forward and "| 50% |" in forward and "% of copy" not in train
     assert "% of copy" not in text[text.index("## Sweep `n`") : text.index("## Sweep `decode`")]
+
+
+def test_runs_table_names_the_software_and_card(smoke_run):
+    """The runs table shows every version a run recorded, and the card with its compute capability."""
+    _, data = smoke_run
+    data = copy.deepcopy(data)
+    env = data["runs"][0]["environment"]
+    env.update(device="NVIDIA H200", capability="9.0", driver="580.1", nvrtc="13.5", cuda_python="13.5.0")
+    md = report.markdown(data)
+    assert "Device: NVIDIA H200 (sm 9.0)." in md
+    row = next(line for line in md.splitlines() if f"`{env['argv'][0]}" in line)
+    for key, name in report.SOFTWARE.items():
+        if env.get(key) is not None:
+            assert f"{name} {env[key]}" in row, (name, row)
+    assert "driver 580.1" in row and "NVRTC 13.5" in row and "cuda-python 13.5.0" in row
+
+
+@pytest.mark.parametrize("name", PRODUCT)
+def test_benchmarks_use_the_public_api_only(name):
+    """The product's benchmark imports streamkl as a user does: the package, streamkl.testing."""
+    source = (ROOT / "benchmarks" / name).read_text()
+    public = {"streamkl", "streamkl.testing"}
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            mods = [a.name for a in node.names if a.name.split(".")[0] == "streamkl"]
+            assert set(mods) <= public, (name, mods)
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "streamkl":
+            assert node.module in public, (name, node.module)
+            assert not [a.name for a in node.names if a.name.startswith("_")], (name, node.module)
+    assert not re.search(r"\bstreamkl\.(_\w+|backends|reference|ops|distributed)\b", source), name
+
+
+@pytest.fixture(scope="module")
+def overhead_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("overhead")
+    assert overhead.main(["--no-compile", "--calls", "1", "--repeats", "1", "--out", str(out)]) == 0
+    return out, json.loads((out / "overhead.json").read_text())
+
+
+def test_overhead_on_cpu_measures_the_reference_and_says_cudnn_is_unavailable(overhead_run):
+    out, data = overhead_run
+    assert data["schema"] == overhead.SCHEMA
+    assert {k: data["config"][k] for k in ("b", "h", "n", "d")} == overhead.SHAPE
+    assert data["config"]["causal"] is True and data["config"]["backends"] == ["reference"]
+    assert all(key in data["environment"] for key in RECORDED)
+    assert data["cudnn"]["status"] == "n/a" and "CUDA" in data["cudnn"]["reason"]
+    rows = {(r["row"], r["mode"]): r for r in data["rows"]}
+    assert set(rows) == {("reference: streamkl.attn_kl eager", mode) for mode in overhead.MODES}
+    assert all(r["us"] > 0 and r["vs_cudnn"] is None and r["backend"] == "reference" for r in rows.values())
+    md = (out / "overhead.md").read_text()
+    assert md == overhead.markdown(data)
+    assert "cuDNN attention: not measured" in md and "no ratios" in md
+    assert "| reference: streamkl.attn_kl eager |" in md and "benchmarks/overhead.py --no-compile" in md
+
+
+def test_overhead_table_gives_each_row_over_the_cudnn_call(overhead_run):
+    """Ratios are the row's time over the cuDNN call's of the same mode, in the JSON and the table."""
+    _, data = overhead_run
+    ours = [r for r in data["rows"] if r["backend"] == "reference"]
+    cudnn = [dict(r, row=overhead.CUDNN, backend=None, us=r["us"] / (i + 2)) for i, r in enumerate(ours)]
+    rows = overhead.with_ratios(cudnn + ours)
+    data = dict(data, cudnn={"status": "ok", "reason": None}, rows=rows)
+    by_mode = {r["mode"]: r["us"] for r in cudnn}
+    md = overhead.markdown(data)
+    for r in rows:
+        assert r["vs_cudnn"] == round(r["us"] / by_mode[r["mode"]], 3)
+    line = next(x for x in md.splitlines() if x.startswith("| reference: streamkl.attn_kl eager |"))
+    assert line.endswith(" | ".join(f"{r['vs_cudnn']:.2f}x" for r in rows if r["backend"]) + " |")
+    assert "no ratios" not in md and f"| {overhead.CUDNN} |" in md
+
+
+def test_overhead_cli_prints_json_and_renders_it(overhead_run, capsys):
+    out, data = overhead_run
+    assert overhead.main(["--render", str(out / "overhead.json")]) == 0
+    assert capsys.readouterr().out == overhead.markdown(data)
+    assert overhead.main(["--no-compile", "--calls", "1", "--repeats", "1", "--json", "-"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["schema"] == overhead.SCHEMA and len(printed["rows"]) == len(overhead.MODES)
+    with pytest.raises(SystemExit):
+        overhead.main(["--calls", "0"])
+    with pytest.raises(SystemExit):
+        overhead.parser().parse_args(["--help"])
+    assert overhead.GPU_COMMAND in capsys.readouterr().out

@@ -7,7 +7,7 @@ its own offset (kt); beside them the same adds as `red.global.add.v4.f32` from e
 registers, and the same bytes as plain bulk stores. Checks the sums, then
 prints GB/s of tile bytes and what the backward's tensor work needs per second.
 
-    python benchmarks/tma_reduce.py [--n 8192] [--heads 32] [--in-flight 4]
+    python lab/cuda/tma_reduce.py [--n 8192] [--heads 32] [--in-flight 4]
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ def run(n: int, heads: int, in_flight: int, reps: int) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python benchmarks/tma_reduce.py", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python lab/cuda/tma_reduce.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--n", type=int, default=8192, help="Nq = Nk")
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--in-flight", type=int, default=4, help="bulk operations a CTA keeps unread")
