@@ -18,15 +18,16 @@ import pytest
 import torch
 
 import streamkl
-from streamkl import _dispatch
+from streamkl import _checks
+from streamkl._spec import AttnKLInputs
 from streamkl.testing import make_inputs
 
 from .tolerance import Expected
 
 pytest.importorskip("cuda.core")
 
-from streamkl.backends import cuda as backend  # noqa: E402
 from streamkl.backends.cuda import _jit, _launch  # noqa: E402
+from streamkl.backends.cuda import attn_kl as backend  # noqa: E402
 
 
 def _on_sm90() -> bool:
@@ -143,26 +144,26 @@ def test_tail_splits_only_a_partial_last_wave():
             assert (s - 1) * per < key_tiles
 
 
+def _spec(inputs, causal=False, scale1=None, scale2=None, cu_seqlens=None, max_seqlen=None):
+    call = dict(causal=causal, scale1=scale1, scale2=scale2, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+    return _checks.attn_kl_spec(*inputs, **call), AttnKLInputs(*inputs, cu_seqlens)
+
+
 def test_supports_refuses_what_it_cannot_run_on_cpu():
     q = torch.randn(1, 2, 8, 64, dtype=torch.bfloat16)
-    assert "CUDA tensors" in backend.supports(q, q, q, q)
-    assert backend.BACKWARD == "triton"
+    assert "CUDA tensors" in backend.supports(*_spec((q, q, q, q)))
+    assert backend.backward_backend == "triton"
 
 
 # ---- GPU: the kernel against the oracle ----
 
 
 def _forward(inputs, causal, scale1=None, scale2=None, cu_seqlens=None, max_seqlen=None):
-    q1, k1, q2, k2 = inputs
-    s1 = 1 / math.sqrt(q1.shape[-1]) if scale1 is None else scale1
-    s2 = 1 / math.sqrt(q2.shape[-1]) if scale2 is None else scale2
-    return backend.forward(
-        q1, k1, q2, k2, causal=causal, scale1=s1, scale2=s2, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen
-    )
+    return backend.forward(*_spec(inputs, causal, scale1, scale2, cu_seqlens, max_seqlen))
 
 
 def _check(inputs, causal, **scales):
-    assert _dispatch.why_not("cuda", *inputs) is None
+    assert backend.supports(*_spec(inputs, causal, **scales)) is None
     kl, lse1, lse2 = _forward(inputs, causal, **scales)
     torch.cuda.synchronize()
     expected = Expected(inputs, causal=causal, **scales)
@@ -171,15 +172,37 @@ def _check(inputs, causal, **scales):
     return kl
 
 
-def _check_poisoned(inputs, causal, s1, s2, schedule=None):
-    """The launch (the shipped kernel) into NaN-filled outputs, against the float64 oracle: every
-    row is written, and written right."""
-    out = tuple(torch.full(inputs[0].shape[:3], float("nan"), device="cuda") for _ in range(3))
-    kl, lse1, lse2 = _launch.forward(*inputs, causal=causal, scale1=s1, scale2=s2, schedule=schedule, out=out)
+def _poisoned_forward(inputs, causal, s1, s2, cu_seqlens=None, max_seqlen=None):
+    """The launch into memory that held NaN: the caching allocator hands the three freed
+    (B, H, Nq) float32 blocks back to the launch's outputs, so a row the kernel does not write
+    stays NaN."""
+    poison = [torch.full(inputs[0].shape[:3], float("nan"), device="cuda") for _ in range(3)]
+    del poison
+    return _forward(inputs, causal, s1, s2, cu_seqlens, max_seqlen)
+
+
+def _check_poisoned(inputs, causal, s1, s2):
+    """The shipped launch into poisoned outputs, against the float64 oracle: every row is
+    written, and written right."""
+    kl, lse1, lse2 = _poisoned_forward(inputs, causal, s1, s2)
     torch.cuda.synchronize()
     expected = Expected(inputs, causal=causal, scale1=s1, scale2=s2)
     expected.check_kl(kl)
     expected.check_lse(lse1, lse2)
+
+
+@pytest.fixture
+def schedule(monkeypatch):
+    """Sets the causal head group and the split count the launch plans with (the plan cache is
+    cleared around it)."""
+
+    def use(hgroup, splits):
+        monkeypatch.setattr(_launch, "CAUSAL_HEAD_GROUP", hgroup)
+        monkeypatch.setattr(_launch, "splits_for", lambda *args, **kwargs: splits)
+        _launch._plan.cache_clear()
+
+    yield use
+    _launch._plan.cache_clear()
 
 
 # (nq, nk): below one tile, one tile, a key past it, ragged, Nq != Nk both ways.
@@ -200,7 +223,7 @@ def test_tile_edges(nq, nk, causal):
 @gpu
 @sm90
 @pytest.mark.parametrize("hgroup", [1, 5, 8, 12])
-def test_every_head_group_order_covers_the_grid(hgroup):
+def test_every_head_group_order_covers_the_grid(hgroup, schedule):
     """The grid's order in groups of heads (kl_fwd.cu's header), a last group smaller than the
     others included: every row of every head is written, and written right, with and without
     split-K."""
@@ -208,7 +231,8 @@ def test_every_head_group_order_covers_the_grid(hgroup):
                          device="cuda", seed=hgroup)  # fmt: skip
     s1, s2 = 1 / math.sqrt(128), 1 / math.sqrt(64)
     for splits in (1, 3):
-        _check_poisoned(inputs, True, s1, s2, dict(hgroup=hgroup, splits=splits))
+        schedule(hgroup, splits)
+        _check_poisoned(inputs, True, s1, s2)
 
 
 # (nq, nk, hk1, hk2): few query rows against many keys, where split-K runs (one row tile per head,
@@ -222,8 +246,7 @@ DECODE = [(1, 4099, 4, 4), (3, 1000, 2, 1), (64, 2048, 4, 2), (65, 3333, 1, 4), 
 @pytest.mark.parametrize("nq,nk,hk1,hk2", DECODE)
 def test_split_k_decode_shapes(nq, nk, hk1, hk2, causal):
     h = 4
-    c = _launch.shipped(128, 128, False)
-    bm, bn = 64 * c["NWG"], c["BN"]
+    bm, bn = _launch.BM, _launch.BN
     assert _launch.splits_for(-(-nq // bm) * h, -(-nk // bn), 1, _launch._sm_count(0), bn) > 1
     for dtype, std in ((torch.bfloat16, 1.0), (torch.float16, 3.0)):
         inputs = make_inputs(h=h, hk1=hk1, hk2=hk2, nq=nq, nk=nk, d1=128, d2=64, dtype=dtype, device="cuda",
@@ -244,8 +267,7 @@ def test_decode_long_key_loops_repeated(h, d):
     s = 1 / math.sqrt(d)
     expected = Expected(inputs, causal=False, scale1=s, scale2=s)
     for _ in range(10):
-        out = tuple(torch.full(inputs[0].shape[:3], float("nan"), device="cuda") for _ in range(3))
-        kl, lse1, lse2 = _launch.forward(*inputs, causal=False, scale1=s, scale2=s, out=out)
+        kl, lse1, lse2 = _poisoned_forward(inputs, False, s, s)
         torch.cuda.synchronize()
         expected.check_kl(kl)
         expected.check_lse(lse1, lse2)
@@ -260,9 +282,8 @@ def test_decode_long_key_loops_repeated(h, d):
 def test_tail_split_grids(b, h, hk1, hk2, nq, nk, d1, d2):
     """Unmasked grids of more than one wave whose last partial wave is split (TAIL): every row of
     the split row tiles and of the others written, and written right, over batches and GQA."""
-    c = _launch.shipped(_launch.padded_dim(d1), _launch.padded_dim(d2), False)
-    units = b * h * -(-nq // (64 * c["NWG"]))
-    assert c["TAIL"] and _launch.tail_for(units, -(-nk // c["BN"]), _launch._sm_count(0))[1] >= 2
+    units = b * h * -(-nq // _launch.BM)
+    assert _launch.tail_for(units, -(-nk // _launch.BN), _launch._sm_count(0))[1] >= 2
     for dtype in (torch.bfloat16, torch.float16):
         inputs = make_inputs(b=b, h=h, hk1=hk1, hk2=hk2, nq=nq, nk=nk, d1=d1, d2=d2, dtype=dtype,
                              device="cuda", layout="bnhd", seed=units + nk)  # fmt: skip
@@ -289,11 +310,9 @@ def test_packed_sequences(lengths, causal):
     for dtype, d1, d2, hk2, extra in ((torch.bfloat16, 128, 64, 1, 0), (torch.float16, 64, 128, 2, 200)):
         inputs = make_inputs(h=2, hk1=2, hk2=hk2, nq=total, nk=total, d1=d1, d2=d2, dtype=dtype,
                              device="cuda", layout="bnhd", seed=total + d1)  # fmt: skip
-        assert _dispatch.why_not("cuda", *inputs, cu) is None
-        out = tuple(torch.full((1, 2, total), float("nan"), device="cuda") for _ in range(3))
         s1, s2 = 1 / math.sqrt(d1), 0.1
-        kl, lse1, lse2 = _launch.forward(*inputs, causal=causal, scale1=s1, scale2=s2, cu_seqlens=cu,
-                                         max_seqlen=max(lengths) + extra, out=out)  # fmt: skip
+        assert backend.supports(*_spec(inputs, causal, s1, s2, cu)) is None
+        kl, lse1, lse2 = _poisoned_forward(inputs, causal, s1, s2, cu, max(lengths) + extra)
         torch.cuda.synchronize()
         expected = Expected(inputs, causal=causal, scale1=s1, scale2=s2, cu_seqlens=cu)
         expected.check_kl(kl)

@@ -296,16 +296,20 @@ def test_backward_splits_dq_only_for_few_query_rows():
     counts win; packed sequences never split."""
     from streamkl.backends.triton import _launch
 
-    def plan(rows, nk, varlen=False, forced=None):
-        # 32 heads, D = 128, as the spec of a dense call (varlen: one packed sequence of `rows`)
-        spec = AttnKLSpec(1, 32, 32, 32, rows, nk, 128, 128, False, 1.0, 1.0, 1, rows if varlen else None,
-                          varlen, (False, False, True, True))  # fmt: skip
+    def plan(rows, nk, heads=32, varlen=False, forced=None):
+        # D = 128; varlen: one packed sequence of `rows` tokens (queries and keys)
+        nk = rows if varlen else nk
+        packed = rows if varlen else None
+        spec = AttnKLSpec(1, heads, heads, heads, rows, nk, 128, 128, False, 1.0, 1.0, 1, packed, varlen,
+                          (False, False, True, True))  # fmt: skip
         return _launch.bwd_plan(spec, torch.bfloat16, torch.device(DEVICE), "separate", forced)
 
     decode = plan(16, 131072)
+    split_len = decode.dq_scalars[-3]  # the dq kernel's keys per split
     assert decode.dq_splits > 1 and decode.dq_grid[0] == decode.dq_splits
-    assert decode.dq_split_len * decode.dq_splits >= 131072 > decode.dq_split_len * (decode.dq_splits - 1)
-    assert plan(8192, 8192).dq_splits == 1 and plan(16, 131072, varlen=True).dq_splits == 1
+    assert split_len * decode.dq_splits >= 131072 > split_len * (decode.dq_splits - 1)
+    assert plan(8192, 8192).dq_splits == 1
+    assert plan(256, 65536, heads=1).dq_splits > 1 and plan(256, 65536, heads=1, varlen=True).dq_splits == 1
     assert plan(16, 131072, forced=1).dq_splits == 1 and plan(8192, 8192, forced=3).dq_splits == 3
 
 
