@@ -348,6 +348,11 @@ def test_runs_table_names_the_software_and_card(smoke_run):
     assert "driver 580.1" in row and "NVRTC 13.5" in row and "cuda-python 13.5.0" in row
 
 
+def test_benchmarks_hold_the_product_benchmark_only():
+    """Probes, tuners and breakdowns that need streamkl's internals live in lab/, not here."""
+    assert sorted(p.name for p in (ROOT / "benchmarks").glob("*.py")) == sorted(PRODUCT)
+
+
 @pytest.mark.parametrize("name", PRODUCT)
 def test_benchmarks_use_the_public_api_only(name):
     """The product's benchmark imports streamkl as a user does: the package, streamkl.testing."""
