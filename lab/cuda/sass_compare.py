@@ -94,11 +94,15 @@ def compare(a: Path, b: Path) -> int:
         same = x == y
         changed += not same
         pb, pa = before[key], after[key]
-        print(f"{key:>20} {'identical' if same else 'DIFFERS':>10} {pb['registers']:>4}/{pa['registers']:<4} "
-              f"{pa['spill_bytes']:>7} {pa['stack_bytes']:>6} {pb['smem_bytes']:>6}/{pa['smem_bytes']:<6}")  # fmt: skip
+        regs, smem = f"{pb['registers']}/{pa['registers']}", f"{pb['smem_bytes']}/{pa['smem_bytes']}"
+        verdict = "identical" if same else "DIFFERS"
+        print(f"{key:>20} {verdict:>10} {regs:>9} {pa['spill_bytes']:>7} {pa['stack_bytes']:>6} {smem:>13}")
         if not same:
-            diff = list(difflib.unified_diff(x.splitlines(), y.splitlines(), "before", "after", lineterm="", n=1))
-            print("\n".join(diff[:60]) + (f"\n... {len(diff) - 60} more diff lines" if len(diff) > 60 else ""))
+            diff = list(
+                difflib.unified_diff(x.splitlines(), y.splitlines(), "before", "after", lineterm="", n=1)
+            )
+            more = f"\n... {len(diff) - 60} more diff lines" if len(diff) > 60 else ""
+            print("\n".join(diff[:60]) + more)
     print(f"{changed} of {len(set(before) & set(after))} instantiations differ")
     return 1 if changed else 0
 

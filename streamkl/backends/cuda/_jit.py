@@ -65,10 +65,11 @@ def cache_dir() -> Path:
 
 
 def _sources_digest() -> str:
+    """Every kernel source and header under KERNELS (any of them may be #included), by path."""
     digest = hashlib.sha256()
-    for path in sorted(KERNELS.glob("*")):
+    for path in sorted(KERNELS.rglob("*")):
         if path.suffix in (".cu", ".cuh"):
-            digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+            digest.update(path.relative_to(KERNELS).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()
 
 

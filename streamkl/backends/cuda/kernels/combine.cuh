@@ -34,5 +34,5 @@ extern "C" __global__ void __launch_bounds__(128) kl_combine(const __grid_consta
     const float w1 = ex2(q[0] - M1u), w2 = ex2(q[2] - M2u);
     L1 = fmaf(q[1], w1, L1), AA = fmaf(q[4], w1, AA), AB = fmaf(q[5], w1, AB), L2 = fmaf(q[3], w2, L2);
   }
-  write_row(p, out, State{M1, L1, M2, L2, AA, AB});
+  write_row(p, out, M1, L1, M2, L2, AA, AB);
 }

@@ -136,10 +136,12 @@ KL_DEV void finish(const Params& p, const Row* r, const int* rows, int nq, int l
   for (int i = 0; i < 2; ++i) {
     const State s = merge_quad(r[i]);
     if ((lane & 3) == 0 && rows[i] < nq) {
-      if (to_part)
-        write_part(p, split, part0 + rows[i], s);
-      else
-        write_row(p, out0 + rows[i], s);
+      if (to_part) {
+        float* q = p.part + ((long long)split * p.rows + part0 + rows[i]) * PART;
+        q[0] = s.m1, q[1] = s.l1, q[2] = s.m2, q[3] = s.l2, q[4] = s.aa, q[5] = s.ab;
+      } else {
+        write_row(p, out0 + rows[i], s.m1, s.l1, s.m2, s.l2, s.aa, s.ab);
+      }
     }
   }
 }
@@ -153,14 +155,15 @@ KL_DEV void consume(const Params& p, const Work& w, int c, int tid, unsigned bas
   const int warp = tid / 32, lane = tid % 32;
   const int qc = DECODE ? 0 : c;  // the Q tile this warpgroup reads
   const int r0 = m0 + 64 * qc;  // this warpgroup's first row
+  const int diag = causal_offset(sp.nq, sp.nk);
   int rows[2], lim[2];
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     rows[i] = r0 + 16 * warp + lane / 4 + 8 * i;
-    lim[i] = key_end(rows[i], sp.nq, sp.nk, p.causal);
+    lim[i] = KL_KEY_END(rows[i], diag, sp.nk, p.causal);
   }
   // Tiles [0, n_full) are visible to every row of the warpgroup; the rest are masked.
-  const int full_end = key_end(r0, sp.nq, sp.nk, p.causal);
+  const int full_end = KL_KEY_END(r0, diag, sp.nk, p.causal);
   const int n_full = full_end > 0 ? full_end / BN : 0;
   Row r[2];
 #pragma unroll

@@ -1,7 +1,7 @@
 // online_kl.cuh: the per-row state of the forward and its math. One consumer thread holds, for
 // each of its two rows and over its own quarter of each key tile's columns, the running state of
 // Row; the update folds in a tile of raw scores S1, S2; merge_quad joins a row's four threads;
-// row_outputs turns a merged state into kl, lse1, lse2. kl_combine merges split-K parts with the
+// write_row turns a merged state into kl, lse1, lse2. kl_combine merges split-K parts with the
 // same rule.
 //
 // The state (log2 units: t = c S with c = scale * log2(e), folded into one FFMA per element, so
@@ -83,7 +83,7 @@ KL_DEV float row_max(const float* s, int i, float c, int lim) {
     e0 = -e0, e1 = -e1, e2 = -e2, e3 = -e3;
   }
   const float ext = fmaxf(fmaxf(e0, e1), fmaxf(e2, e3));  // max of sign(c) * s
-  if (MASK && ext == -KL_INF) return -KL_INF;
+  if (MASK && ext == -KL_INF) return -KL_INF;  // none visible: -inf even for c = 0 (0 * -inf is NaN)
   return fabsf(c) * ext;
 }
 
@@ -98,7 +98,9 @@ KL_DEV void mask_pair(int j, int lim, float& ex, float& ey) {
 }
 
 // The exponentials 2^(c s - m) (nm = -m) of a thread's columns 8 j and 8 j + 1 of row i, zero on
-// invalid keys (MASK: visible iff 8 j + k < lim).
+// invalid keys (MASK: visible iff 8 j + k < lim). One FFMA applies the scale and the reference, so
+// an element costs FFMA + MUFU.EX2; the masked e is zeroed after the exponential (a select), not by
+// feeding -inf into it.
 template <bool MASK>
 KL_DEV void exp_pair(const float* s, int i, int j, float c, float nm, int lim, float& ex, float& ey) {
   ex = ex2(fmaf(s[KL_IDX(j, i, 0)], c, nm)), ey = ex2(fmaf(s[KL_IDX(j, i, 1)], c, nm));
@@ -118,7 +120,7 @@ KL_DEV float ref(float m) { return m == -KL_INF ? 0.f : m; }
 template <bool MASK>
 KL_DEV float raise_max(const float* s, float& m, float c, int lim, int i, float& nm) {
   const float mnew = fmaxf(m, row_max<MASK>(s, i, c, lim));
-  const float alpha = ex2(m - ref(mnew));
+  const float alpha = ex2(m - ref(mnew));  // m = -inf (nothing seen yet): alpha = 0, never NaN
   m = mnew;
   nm = -ref(mnew);
   return alpha;
@@ -284,7 +286,8 @@ KL_DEV float quad_sum(float x) {
   return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
-// A row's state over all its columns (PART floats in part), every reference merged into one.
+// A row's state over all its columns, every thread's reference merged into one (part holds it
+// as PART floats: M1, L1, M2, L2, AA, AB).
 struct State {
   float m1, l1, m2, l2, aa, ab;
 };
@@ -299,14 +302,17 @@ KL_DEV State merge_quad(const Row& r) {
   return State{M1, L1, M2, L2, AA, AB};
 }
 
-// kl, lse1, lse2 of a row from its merged state (the header's formula, natural-log units); a row
-// that saw no key (L1 = 0) gets 0, -inf, -inf.
-KL_DEV void row_outputs(const State& s, float c1, float& kl, float& lse1, float& lse2) {
-  kl = 0.f, lse1 = -KL_INF, lse2 = -KL_INF;
-  if (s.l1 > 0.f) {
-    const float g1 = log2f(s.l1), g2 = log2f(s.l2);
-    kl = ((c1 * s.aa - s.ab) / s.l1 + (s.m2 - s.m1) + g2 - g1) * KL_LN2;
-    lse1 = (s.m1 + g1) * KL_LN2;
-    lse2 = (s.m2 + g2) * KL_LN2;
+// Writes row o's kl, lse1, lse2 from its merged state (the header's formula, natural-log units);
+// a row that saw no key (L1 = 0) gets 0, -inf, -inf.
+KL_DEV void write_row(const Params& p, long long o, float M1, float L1, float M2, float L2, float AA, float AB) {
+  float kl = 0.f, lse1 = -KL_INF, lse2 = -KL_INF;
+  if (L1 > 0.f) {
+    const float g1 = log2f(L1), g2 = log2f(L2);
+    kl = ((p.c1 * AA - AB) / L1 + (M2 - M1) + g2 - g1) * KL_LN2;
+    lse1 = (M1 + g1) * KL_LN2;
+    lse2 = (M2 + g2) * KL_LN2;
   }
+  p.kl[o] = kl;
+  p.lse1[o] = lse1;
+  p.lse2[o] = lse2;
 }

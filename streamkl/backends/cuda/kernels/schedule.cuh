@@ -1,6 +1,6 @@
 // schedule.cuh: which work a CTA of kl_fwd does, and where its rows' results go. Decodes the grid
 // slot (x, z) into a problem (Span), a row tile of one head and a share of its key tiles (Work),
-// and writes a row's merged state to the outputs or to part.
+// and says where its rows' results go (the outputs, or part rows under split-K).
 //
 // Grid (default): (m_tiles * H, 1, B * splits), m_tiles = cdiv(Nq, BM). x walks the heads in groups
 //   of hgroup and, inside a group, the row tiles from the last to the first with the group's heads
@@ -23,7 +23,6 @@
 //   instead of a few for a whole CTA's.
 #pragma once
 #include "mask.cuh"
-#include "online_kl.cuh"
 #include "params.cuh"
 
 // The problem one CTA's rows belong to: queries [row0, row0 + nq) and keys [row0, row0 + nk) of
@@ -76,7 +75,7 @@ KL_DEV bool work_of(const Params& p, unsigned x, unsigned z, Work& w) {
     sp = Span{len, len, s0, 0, (long long)h * p.nq + s0};
   }
   if (m0 >= sp.nq) return false;
-  const int hi = key_end(m0 + BM - 1, sp.nq, sp.nk, p.causal);  // keys the row tile's last row sees
+  const int hi = KL_KEY_END(m0 + BM - 1, causal_offset(sp.nq, sp.nk), sp.nk, p.causal);  // its last row's
   const int n_tiles = hi > 0 ? (hi + BN - 1) / BN : 0;
   // Split-K: split s runs key tiles [t0, t0 + n) of the row tile's n_tiles.
   const int per = (n_tiles + splits - 1) / splits;
@@ -87,17 +86,3 @@ KL_DEV bool work_of(const Params& p, unsigned x, unsigned z, Work& w) {
   return true;
 }
 
-// Writes row o of the outputs ([B, H, Nq] index) from its merged state.
-KL_DEV void write_row(const Params& p, long long o, const State& s) {
-  float kl, lse1, lse2;
-  row_outputs(s, p.c1, kl, lse1, lse2);
-  p.kl[o] = kl;
-  p.lse1[o] = lse1;
-  p.lse2[o] = lse2;
-}
-
-// Writes a row's merged state as part `split` of part row o, for kl_combine.
-KL_DEV void write_part(const Params& p, int split, long long o, const State& s) {
-  float* q = p.part + ((long long)split * p.rows + o) * PART;
-  q[0] = s.m1, q[1] = s.l1, q[2] = s.m2, q[3] = s.l2, q[4] = s.aa, q[5] = s.ab;
-}
