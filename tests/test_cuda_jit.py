@@ -4,6 +4,8 @@ resource report, and compile errors that carry the options and NVRTC's log."""
 
 import multiprocessing
 import os
+import re
+import shutil
 
 import pytest
 
@@ -69,6 +71,28 @@ def test_key_covers_constants_source_and_kernel_headers(monkeypatch, tmp_path):
     with_header = _jit.build_key(SOURCE, "scale_rows", {"BLOCK": 64})
     (headers / "common.cuh").write_text("#define X 2\n")
     assert _jit.build_key(SOURCE, "scale_rows", {"BLOCK": 64}) != with_header
+
+
+def test_key_covers_every_file_the_forward_includes(monkeypatch, tmp_path):
+    """The shipped kernel's key changes with any of its sources: kl_fwd.cu and each header it
+    includes (NVRTC resolves them in the same folder)."""
+    from streamkl.backends.cuda import _launch
+
+    kernels = tmp_path / "kernels"
+    shutil.copytree(_jit.KERNELS, kernels)
+    monkeypatch.setattr(_jit, "KERNELS", kernels)
+    consts = _launch.shipped_instantiations()[0]
+    main = (kernels / _launch.SOURCE_FILE).read_text()
+    included = set(re.findall(r'#include "([^"]+)"', main))
+    for path in kernels.glob("*.cuh"):
+        included |= set(re.findall(r'#include "([^"]+)"', path.read_text()))
+    assert included <= {p.name for p in kernels.iterdir()}
+    keys = {_jit.build_key(main, _launch.ENTRY, consts)}
+    for name in sorted(included):
+        with open(kernels / name, "a") as f:
+            f.write("// edited\n")
+        keys.add(_jit.build_key((kernels / _launch.SOURCE_FILE).read_text(), _launch.ENTRY, consts))
+    assert len(keys) == len(included) + 1
 
 
 def _compile_in_child(block):
