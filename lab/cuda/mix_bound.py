@@ -9,10 +9,10 @@ accumulation chains, one step in flight; warpgroups 1-3 run, per thread, the upd
 elements (the kernel's per consumer thread and tile) on values of their own: with `exps = 2` both
 sides (per element FFMA, EX2, FADD and two FFMA for S1, FFMA, EX2, FADD for S2), with `exps = 1`
 the S2 side alone (an attention forward's softmax). The two loops share no data, so the tensor
-pipe and the exponential unit overlap as far as the chip lets them. Its measured rates are in
-docs/cuda.md and lab/notes/; the harness that timed it beside the kernel variants at the board's
-power limit (benchmarks/clocks.py --mix) left the tree with those variants and is in git history
-(`git show 6c84ef0:benchmarks/clocks.py`).
+pipe and the exponential unit overlap as far as the chip lets them. clocks.py times it beside the
+kernels, with the SM clock and board power:
+
+    python lab/cuda/clocks.py --dims 128 --mix 128,64
 """
 
 from __future__ import annotations
