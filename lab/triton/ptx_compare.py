@@ -42,7 +42,9 @@ def save(out: Path) -> None:
         compiled = sm90.compile_for_hopper(spec)
         for kind in ("ttir", *KINDS):
             (out / f"{spec.name}.{kind}").write_text(compiled.asm[kind])
-        meta[spec.name] = dict(shared=compiled.metadata.shared, histogram=sm90.instruction_histogram(compiled))
+        meta[spec.name] = dict(
+            shared=compiled.metadata.shared, histogram=sm90.instruction_histogram(compiled)
+        )
         print(f"{spec.name}: {meta[spec.name]}", flush=True)
     (out / "meta.json").write_text(json.dumps(meta, indent=1))
 
