@@ -141,9 +141,7 @@ class FwdPlan(NamedTuple):
     grid: tuple[int, int, int]
     splits: int  # key splits (1: no split, no merge)
     consts: dict  # _fwd_kernel's constexprs and launch options
-    scalars: (
-        tuple  # _fwd_kernel's arguments after the strides: H, NQ, NK, G1, G2, c1, c2, split_len, n_splits
-    )
+    scalars: tuple  # arguments after the strides: H, NQ, NK, G1, G2, c1, c2, split_len, n_splits
     merge_grid: tuple[int] | None
     merge_consts: dict | None
     merge_scalars: tuple | None  # _merge_kernel's ROWS, n_splits
