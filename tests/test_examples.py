@@ -22,4 +22,5 @@ def test_distillation_example_runs_and_its_loss_falls():
     assert final is not None, proc.stdout[-2000:]
     before, after = map(float, final.groups())
     assert after < before, proc.stdout[-2000:]
+    assert "(includes compilation)" in proc.stdout, proc.stdout[-2000:]  # it ran under torch.compile
     assert re.search(r"distil\s+step\s+\d+\s+kl [0-9.]+\s+[0-9.]+ ms/step", proc.stdout), proc.stdout[-2000:]
