@@ -210,6 +210,7 @@ def environment(device: torch.device, argv: list[str], commit: str | None = None
         "triton": _version("triton"),
         "cuda_python": _version("cuda-python", "cuda-bindings"),
         "nvrtc": _nvrtc(),
+        "fla_core": _version("fla-core"),
         "cuda": torch.version.cuda,
         "cudnn": torch.backends.cudnn.version() if cuda else None,
         "driver": _driver() if cuda else None,
@@ -340,10 +341,12 @@ class Runner:
         checked = inputs if mode == "fwd" else (*inputs, reference.g_check)
         args = inputs if mode == "fwd" else (*inputs, g)
         t0 = time.perf_counter()
-        out = fn(*checked)
+        out = fn(*(args if prov.check else checked))
         synchronize(self.device)
         fields = {"first_call_s": round(time.perf_counter() - t0, 4)}
-        if prov.kind != "yardstick":
+        if prov.check is not None:
+            fields["error"] = prov.check(case, inputs, mode, reference.rows)
+        elif prov.kind != "yardstick":
             fields["error"] = reference.errors(out, mode)
         del out
         cuda = self.device.type == "cuda"
@@ -408,8 +411,10 @@ def main(argv: list[str] | None = None) -> int:
     sweeps = build_sweeps(names, args)
     providers = all_providers("inductor" if cuda else "aot_eager")
     if args.smoke:  # Triton's interpreter takes about a second a call: the smoke run leaves it to the tests
-        triton = next(p for p in providers if p.name == "streamkl-triton")
-        triton.why_not = lambda case, inputs: "left out of --smoke (Triton's interpreter: about 1 s a call)"
+        for interpreted in (p for p in providers if p.name in ("streamkl-triton", "fla-fused-kl")):
+            interpreted.why_not = lambda case, inputs: (
+                "left out of --smoke (Triton's interpreter: about 1 s a call)"
+            )
     if args.providers:
         wanted = args.providers.split(",")
         if unknown := set(wanted) - {p.name for p in providers}:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 import streamkl
-from benchmarks import sdpa_trick
+from benchmarks import fla_kl, sdpa_trick
 from streamkl.testing import dense_attn_kl, visible_mask
 
 REFERENCE_MAX_PAIRS_CUDA = 2**31  # the slow oracle on a GPU: up to N = 8K at 32 heads, non-causal
@@ -89,6 +89,9 @@ class Provider:
     fwd: Callable[[Case], Callable]
     train: Callable[[Case], Callable] | None = None
     why_not: Callable[[Case, tuple], str | None] = lambda case, inputs: None
+    # The provider's own error check (case, inputs, mode, rows) -> errors, where its output is not
+    # the per-row KL the shared reference compares (fla-fused-kl's per-head means).
+    check: Callable[[Case, tuple, str, int], dict] | None = None
 
 
 def autograd_step(kl_of: Callable, q1, k1, q2, k2, g):
@@ -187,6 +190,17 @@ def _attention_cudnn() -> Provider:
     return Provider("attention-cudnn", "yardstick", what, fwd, None, why_not)
 
 
+def _fla_fused_kl() -> Provider:
+    what = (
+        "flash-linear-attention's `fused_kl_div_loss` per (batch, head), keys as the vocabulary "
+        "(benchmarks/fla_kl.py); output: each head's mean KL over its rows; train: the gradients "
+        "of their sum, formed in its forward"
+    )
+    return Provider(
+        "fla-fused-kl", "baseline", what, fla_kl.fwd, fla_kl.train, fla_kl.unsupported, fla_kl.check
+    )
+
+
 def all_providers(compile_backend: str = "inductor") -> list[Provider]:
     def only_16bit(case, inputs):
         if case.dtype not in ("bfloat16", "float16"):
@@ -201,6 +215,7 @@ def all_providers(compile_backend: str = "inductor") -> list[Provider]:
         *_dense("bf16", "baseline", autocast, dense_autocast, compile_backend, why_not=only_16bit),
         _sdpa_trick("flash"),
         _sdpa_trick("cudnn"),
+        _fla_fused_kl(),
         *_dense("fp32", "exact", exact, fp32, compile_backend),
         _attention_cudnn(),
     ]

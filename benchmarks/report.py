@@ -23,6 +23,7 @@ COLORS = {
     "torch.compile-bf16": "tab:green",
     "sdpa-trick-flash": "tab:purple",
     "sdpa-trick-cudnn": "tab:brown",
+    "fla-fused-kl": "tab:gray",
     "torch-fp32": "tab:pink",
     "torch.compile-fp32": "tab:olive",
     "attention-cudnn": "black",

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import ast
 import copy
+import dataclasses
 import json
 import math
+import os
 import re
 import shutil
 from pathlib import Path
@@ -16,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import streamkl
 from benchmarks import bench, overhead, providers, report
 from benchmarks.providers import Case, Provider, attn_kl_flops, visible_pairs
 from streamkl.testing import visible_mask
@@ -42,6 +45,7 @@ PRODUCT = (
     "providers.py",
     "report.py",
     "sdpa_trick.py",
+    "fla_kl.py",
     "overhead.py",
     "test_speed.py",
 )
@@ -116,7 +120,7 @@ def test_smoke_run_measures_every_cpu_provider(smoke_run):
                 elif r["case"]["dtype"] == "bfloat16":  # plausible for bf16 products: not zero, not wild
                     assert 1e-5 < err["kl"] < 5e-2, r
     # what cannot run here says why, in the record
-    for name in ("streamkl-cuda", "streamkl-triton", "sdpa-trick-cudnn", "attention-cudnn"):
+    for name in ("streamkl-cuda", "streamkl-triton", "sdpa-trick-cudnn", "attention-cudnn", "fla-fused-kl"):
         recs = [r for r in records if r["provider"] == name]
         assert recs and all(r["status"] == "n/a" and r["reason"] for r in recs), name
     assert data["runs"][0]["gemm"] == {"start": None, "end": None}  # the yardstick is CUDA's
@@ -419,3 +423,26 @@ def test_overhead_cli_prints_json_and_renders_it(overhead_run, capsys):
     with pytest.raises(SystemExit):
         overhead.parser().parse_args(["--help"])
     assert overhead.GPU_COMMAND in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("mode", ["fwd", "train"])
+def test_fla_provider_computes_each_heads_mean_kl(mode):
+    """fla-fused-kl's per-(batch, head) mapping (FLA under the Triton interpreter, float32) gives
+    each head's mean over its rows of attn_kl's KL, and the gradients of their sum, on GQA inputs
+    with D1 != D2; causal cases are refused with the reason."""
+    pytest.importorskip("fla", reason="fla-core (the bench extra) is not installed")
+    from benchmarks import fla_kl
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("FLA's kernels run on a CPU only under TRITON_INTERPRET=1 (tests/conftest.py sets it)")
+    case = Case(nq=6, nk=9, causal=False, b=1, h=2, d1=8, d2=16, hk1=1, hk2=2, dtype="float32")
+    inputs = case.inputs(torch.device("cpu"), seed=0)
+    assert fla_kl.unsupported(case, inputs) is None
+    assert "non-causal" in fla_kl.unsupported(dataclasses.replace(case, causal=True), inputs)
+    errors = fla_kl.check(case, inputs, mode, rows=case.nq)
+    assert errors["kl"] < 1e-5, errors
+    if mode == "train":
+        assert errors["dq2"] < 1e-4 and errors["dk2"] < 1e-4, errors
+    q1, k1, q2, k2 = inputs
+    want = streamkl.attn_kl(q1, k1, q2, k2, backend="reference").mean(-1)
+    torch.testing.assert_close(fla_kl.fwd(case)(*inputs), want, rtol=1e-5, atol=1e-6)
