@@ -1,7 +1,8 @@
-"""Context parallelism: streamkl.attn_kl over one sequence sharded across the ranks of a
-torch.distributed group (docs/distributed.md).
+"""Context parallelism: streamkl.attn_kl and streamkl.indexer_kl over one sequence sharded
+across the ranks of a torch.distributed group (docs/distributed.md).
 
     attn_kl(q1, k1, q2, k2, *, group, causal, layout, comm, ...)   each rank passes its shard
+    indexer_kl(q, k, qi, ki, w, *, group, lse, topk, layout, ...)  likewise (all-gather form)
     shard(x, layout) / unshard(x, layout)                           full tensor <-> local shard
 
 The package, one concern a module:
@@ -13,6 +14,8 @@ The package, one concern a module:
     _comm      the process group, all-gather / reduce-scatter, the point-to-point ring
     _ops       attn_kl's block runners, its custom ops (streamkl::cp_attn_kl_fwd / cp_attn_kl_bwd /
                cp_sum) with their fakes and autograd, and the eager path
+    _indexer   indexer_kl's validation, block runners, custom ops (streamkl::cp_indexer_kl_fwd /
+               cp_indexer_kl_bwd) and eager path
 
 _layout, _plan and _comm know no op: a second op whose partial state merges like a log-sum-exp
 brings its own block runner and merge and reuses them. Every block of work is one call of the
@@ -25,11 +28,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import _comm, _layout, _ops, _validate
+from . import _comm, _indexer, _layout, _ops, _validate
 from ._comm import COMMS
 from ._layout import LAYOUTS
 
-__all__ = ["COMMS", "LAYOUTS", "attn_kl", "shard", "unshard"]
+__all__ = ["COMMS", "LAYOUTS", "attn_kl", "indexer_kl", "shard", "unshard"]
 
 
 def shard(x: Tensor, layout: str = "zigzag", group=None, dim: int = 2) -> Tensor:
@@ -95,4 +98,44 @@ def attn_kl(
         q1, k1, q2, k2, group=group, causal=causal, layout=layout, comm=comm, scale1=scale1, scale2=scale2,
         reduction=reduction, heads_per_step=heads_per_step, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
         backend=backend,
+    )  # fmt: skip
+
+
+def indexer_kl(
+    q: Tensor,
+    k: Tensor,
+    qi: Tensor,
+    ki: Tensor,
+    w: Tensor,
+    *,
+    group=None,
+    lse: Tensor | None = None,
+    scale: float | None = None,
+    causal: bool = True,
+    topk: Tensor | None = None,
+    layout: str = "zigzag",
+    reduction: str = "mean",
+    cu_seqlens: Tensor | None = None,
+    max_seqlen: int | None = None,
+    backend: str | None = None,
+) -> Tensor:
+    """streamkl.indexer_kl over one sequence sharded across the ranks of `group` (default: the
+    world).
+
+    Each rank passes its shard of the sequence, laid out as `layout` (see `shard`): q
+    (B, H, N_local, D), k (B, H_kv, N_local, D) or (B, N_local, D), qi (B, G, N_local, Di), ki
+    (B, 1, N_local, Di) or (B, N_local, Di), w (B, G, N_local), and optionally lse (B, H, N_local)
+    (the teacher's per-head log-sum-exp over the keys each row admits in the whole sequence) and
+    topk (B, N_local, K) (each row's key set as positions in the whole sequence, -1 padding).
+    The key-side tensors k and ki are all-gathered; the rest stays local. Returns the local rows'
+    KL (B, N_local) with reduction "none", or the sum / mean over the whole sequence (the mean
+    over the rows that see a key), the same on every rank. Differentiable in qi, ki and w; every
+    rank must run the backward (it communicates). causal, scale, backend: as for
+    streamkl.indexer_kl, causal over global positions. cu_seqlens is not supported yet. Bad input
+    raises ValueError or TypeError on every rank before any data moves. docs/distributed.md
+    states the whole call.
+    """
+    return _indexer.indexer_kl(
+        q, k, qi, ki, w, group=group, lse=lse, scale=scale, causal=causal, topk=topk, layout=layout,
+        reduction=reduction, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, backend=backend,
     )  # fmt: skip

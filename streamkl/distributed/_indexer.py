@@ -1,0 +1,415 @@
+"""indexer_kl with context parallelism (docs/distributed.md, indexer_kl): validation of a call,
+its block runners on the plan, and its torch.library registration.
+
+    check                            one rank's checks of a call, agreed across the group
+    run_forward / run_backward       the block runners (_plan.run_forward / run_backward, the
+                                     all-gather form): each block is one call of the backend
+                                     selected for the whole call on a run of local query rows
+                                     and the key prefix they admit
+    streamkl::cp_indexer_kl_fwd      -> (kl, lse, lse2, mass) of the local rows
+    streamkl::cp_indexer_kl_bwd      -> (dqi, dki, dw) of the local shards
+
+The key-side tensors (the teacher's k, the indexer's ki) are gathered once, in sequence order;
+the query-side ones (q, qi, w, lse, topk) stay local. Under the all-gather plan every local row
+is in exactly one call, against every key it admits, so each block's statistics are the row's
+final ones and nothing is merged (docs/distributed.md, indexer_kl). The backward gathers the keys
+again, writes dqi and dw of the local rows, and hands dki home by one reduce-scatter.
+
+A call is validated once (its spec built by streamkl._checks.indexer_kl_spec from the local
+shards, topk's values checked against the whole sequence, the backend selected, all agreed across
+ranks); every block reuses that spec and backend. The eager path runs the runners through an
+autograd.Function; a traced call (torch.compile) goes through the custom ops, whose forward runs
+the cross-rank checks at run time, as streamkl.distributed.attn_kl does.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .. import _checks, _dispatch, _env
+from .._spec import IndexerKLInputs, IndexerKLSpec, IndexerKLStats
+from ..ops._common import on_device, once_differentiable, refuse_unsupported_autograd
+from ..ops.indexer_kl import _one_head, _out_dtype
+from . import _plan, _validate
+from ._comm import group_by_name, resolve_group
+from ._layout import check_layout
+from ._ops import _traced, cp_sum
+from ._plan import Call, Context, HeadStep
+
+OP = "indexer_kl"
+WHAT = "streamkl.distributed.indexer_kl"
+
+# The layouts indexer_kl runs over: one sequence per batch entry, equal shards.
+LAYOUTS = ("contiguous", "zigzag")
+
+# The key tensors the plan moves, in this order: the teacher's k, the indexer's ki.
+KEY_INDEX_KI = 1
+
+
+class Options(NamedTuple):
+    """The context-parallel options of a call, as its caller passed them."""
+
+    layout: str
+    reduction: str
+    backend: str | None
+    requires_grad: tuple[bool, bool, bool]  # qi, ki, w
+
+
+class Checked(NamedTuple):
+    """A validated call: its spec (of the local shards), the backend that runs every block: its
+    name (STREAMKL_BACKEND resolved) and, where the call runs now rather than being traced, its
+    implementation."""
+
+    spec: IndexerKLSpec
+    backend: str
+    impl: object | None
+
+
+def _check_global_topk(topk: Tensor, world: int, nq: int) -> None:
+    """topk holds positions in the whole sequence (world * N_local keys), not in the shard."""
+    try:
+        _checks.check_topk_values(topk, world * nq)
+    except ValueError as exc:
+        raise ValueError(
+            f"{exc}; with context parallelism topk holds key positions in the whole sequence "
+            f"({world} ranks x {nq} tokens)"
+        ) from None
+
+
+def check_indexer_kl(group, spec: IndexerKLSpec, inputs: IndexerKLInputs, options: Options, *, run: bool):
+    """Everything one rank can check alone of a call whose spec streamkl._checks built (metadata
+    only); raises ValueError/TypeError naming the argument. Returns (Checked, the metadata every
+    rank must share). `run`: real tensors about to run, so topk's values are read (one host sync)
+    and the backend is selected, once for every block (a block is a slice of the local call)."""
+    check_layout(options.layout)
+    if options.layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS} for indexer_kl, got {options.layout!r}")
+    _checks.check_reduction(options.reduction)
+    _validate.check_shard_lengths(options.layout, spec.nq, spec.nk)
+    name = _dispatch.check_name(options.backend)
+    impl = None
+    device_type = inputs.q.device.type
+    if run:
+        if inputs.topk is not None:
+            _check_global_topk(inputs.topk, dist.get_world_size(group), spec.nq)
+        _env.check_all()
+        impl = _dispatch.select(OP, spec, inputs, name)  # a named backend that cannot run raises
+        _validate.check_group_device(group, device_type)
+    tensors = dict(zip(("q", "k", "qi", "ki", "w", "lse", "topk"), inputs))
+    meta = {
+        "local sequence length": spec.nq,
+        **{f"{arg} shape": None if t is None else tuple(t.shape) for arg, t in tensors.items()},
+        "dtypes": tuple(None if t is None else str(t.dtype) for t in tensors.values()),
+        "device type": device_type,
+        "causal": spec.causal,
+        "scale": spec.scale,
+        "layout": options.layout,
+        "reduction": options.reduction,
+        "backend": name,
+        "requires_grad": tuple(options.requires_grad),
+    }
+    return Checked(spec, name, impl), meta
+
+
+def check(group, q, k, qi, ki, w, lse, topk, causal, scale, cu_seqlens, max_seqlen, options, *, run: bool):
+    """Validates a call: with `run` (real tensors about to run) on every rank, agreed across the
+    group, selecting the backend; else (traced) this rank's checks that need no communication."""
+
+    def local():
+        refuse_unsupported_autograd("distributed.indexer_kl", q, k, qi, ki, w, lse)
+        if cu_seqlens is not None or max_seqlen is not None:
+            raise ValueError(
+                "cu_seqlens / max_seqlen: packed sequences are not supported by "
+                "streamkl.distributed.indexer_kl yet (docs/distributed.md, indexer_kl); pass one "
+                "sequence per batch entry"
+            )
+        call = dict(lse=lse, topk=topk, causal=causal, scale=scale)
+        spec = _checks.indexer_kl_spec(q, k, qi, ki, w, **call, read_values=False)
+        inputs = IndexerKLInputs(q, k, qi, ki, w, lse, topk)
+        return check_indexer_kl(group, spec, inputs, options, run=run)
+
+    return _validate.agree(group, local, WHAT) if run else local()[0]
+
+
+# --- the block runners ----------------------------------------------------------------------------
+
+
+def _step(spec: IndexerKLSpec) -> HeadStep:
+    """One pass over the keys with every head: the teacher's mixture sums over all H heads, so a
+    row's statistics need them together; every key head of k and the one head of ki travel."""
+    return HeadStep(slice(0, spec.heads), (slice(0, spec.heads_kv), slice(0, 1)))
+
+
+def _block_spec(spec: IndexerKLSpec, call: Call) -> IndexerKLSpec:
+    """The spec of one block: the call's rows and key prefix, its causality."""
+    return spec._replace(nq=call.rows.stop - call.rows.start, nk=call.keys, causal=call.causal)
+
+
+def _key_start(call: Call) -> int:
+    """The sequence position of the call's first key: 0 for every call of one sequence gathered
+    whole (the key run a row admits is a prefix of the sequence)."""
+    return getattr(call, "key_start", 0)
+
+
+def _block_topk(topk: Tensor | None, call: Call, total_keys: int) -> Tensor | None:
+    """The call's rows of topk as indices into the call's keys: a sequence position minus the
+    first key's. A position outside the call's keys is one these rows do not admit (the causal
+    mask hides it), so it becomes padding (-1) and no backend reads outside the block."""
+    if topk is None:
+        return None
+    rows = topk[:, call.rows]
+    start = _key_start(call)
+    if start == 0 and call.keys == total_keys:
+        return rows
+    local = rows - start
+    return torch.where((rows >= 0) & (local < call.keys) & (local >= 0), local, -1)
+
+
+def _block_inputs(inputs: IndexerKLInputs, lse: Tensor | None, call: Call, keys: list[Tensor], total: int):
+    q, _, qi, _, w, _, topk, _ = inputs
+    rows = (slice(None), slice(None), call.rows)
+    # the runner gets the key block whole or already cut to the call's keys: [:keys] is the
+    # call's run either way (its first key is the block's first)
+    key, key_i = (t[:, :, : call.keys] for t in keys)
+    lse_rows = None if lse is None else lse[rows]
+    return IndexerKLInputs(q[rows], key, qi[rows], key_i, w[rows], lse_rows, _block_topk(topk, call, total))
+
+
+def run_forward(checked: Checked, ctx: Context, inputs: IndexerKLInputs) -> IndexerKLStats:
+    """The local rows' (kl, lse, lse2, mass) over the whole sequence. Each local row is in one
+    call of the all-gather plan, against all the keys it admits (a prefix of the sequence), so the
+    call's statistics are the row's: written, not merged."""
+    spec, backend = checked.spec, checked.impl
+    q, k, qi, ki, w, lse, _, _ = inputs
+    dtype = _out_dtype(q, qi, w)
+    kl = torch.zeros(spec.batch, spec.nq, dtype=dtype, device=q.device)
+    lse2 = torch.full_like(kl, -math.inf)
+    mass = torch.zeros_like(kl)
+    if lse is not None:
+        teacher_lse = lse.to(dtype=dtype, copy=True).contiguous()
+    else:
+        teacher_lse = torch.full((spec.batch, spec.heads, spec.nq), -math.inf, dtype=dtype, device=q.device)
+    stats = IndexerKLStats(kl, teacher_lse, lse2, mass)
+    if kl.numel() == 0:
+        return stats
+    total = ctx.world * spec.nq
+
+    def block(step: HeadStep, call: Call, keys: list[Tensor]) -> None:
+        part = backend.forward(_block_spec(spec, call), _block_inputs(inputs, lse, call, keys, total))
+        for out, got in zip(stats, part):
+            out[..., call.rows] = got
+
+    with on_device(q):
+        _plan.run_forward(ctx, (k, ki), [_step(spec)], spec.causal, block)
+    return stats
+
+
+def run_backward(
+    checked: Checked, ctx: Context, inputs: IndexerKLInputs, stats: IndexerKLStats, grad_kl: Tensor
+) -> tuple[Tensor | None, ...]:
+    """(dqi, dki, dw) of this rank's shards for the gradients checked.spec.needs asks for (None
+    for the others), accumulated in the statistics' dtype: dqi and dw from this rank's rows, dki
+    summed over every rank's rows and reduce-scattered to its owner (_plan.run_backward)."""
+    spec = checked.spec
+    q, k, qi, ki, w, _, _, _ = inputs
+    dtype = stats.kl.dtype
+    students = (qi, ki, w)
+    grads = [
+        torch.zeros(t.shape, dtype=dtype, device=t.device) if need else None
+        for t, need in zip(students, spec.needs)
+    ]
+    if stats.kl.numel() > 0 and any(spec.needs):
+        backend = _dispatch.backward_of(checked.impl)
+        grad_kl = grad_kl.to(dtype)
+        lse = stats.lse if spec.given_lse else None
+        total = ctx.world * spec.nq
+        key_grads = {KEY_INDEX_KI: grads[1]} if spec.needs[1] else {}
+
+        def block(step: HeadStep, call: Call, keys: list[Tensor]) -> dict[int, Tensor]:
+            part = IndexerKLStats(*(t[..., call.rows].contiguous() for t in stats))
+            dqi, dki, dw = backend.backward(
+                _block_spec(spec, call),
+                _block_inputs(inputs, lse, call, keys, total),
+                part,
+                grad_kl[:, call.rows].contiguous(),
+            )
+            for grad, part_grad in ((grads[0], dqi), (grads[2], dw)):
+                if grad is not None:
+                    grad[:, :, call.rows] += part_grad
+            return {KEY_INDEX_KI: dki} if key_grads else {}
+
+        with on_device(q), torch.no_grad():
+            _plan.run_backward(ctx, (k, ki), [_step(spec)], spec.causal, key_grads, block)
+    return tuple(g.to(t.dtype) if g is not None else None for g, t in zip(grads, students))
+
+
+# --- the registered ops (torch.compile) ----------------------------------------------------------
+
+
+@torch.library.custom_op("streamkl::cp_indexer_kl_fwd", mutates_args=())
+def cp_indexer_kl_fwd(
+    q: Tensor,
+    k: Tensor,
+    qi: Tensor,
+    ki: Tensor,
+    w: Tensor,
+    lse: Tensor | None,
+    topk: Tensor | None,
+    group_name: str,
+    layout: str,
+    causal: bool,
+    scale: float,
+    backend: str,
+    requires_grad: list[bool],
+    reduction: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The local rows' (kl, lse, lse2, mass) over the whole sequence. A traced call's Python
+    wrapper ran at trace time, so the cross-rank checks run here, on every call."""
+    group = group_by_name(group_name)
+    options = Options(layout, reduction, backend, tuple(requires_grad))
+    checked = check(group, q, k, qi, ki, w, lse, topk, causal, scale, None, None, options, run=True)
+    inputs = IndexerKLInputs(q, k, qi, ki, w, lse, topk)
+    return tuple(run_forward(checked, _plan.context(group, layout, "allgather"), inputs))
+
+
+@cp_indexer_kl_fwd.register_fake
+def _(q, k, qi, ki, w, lse, topk, *options):
+    dtype = _out_dtype(q, qi, w)
+    rows = q.new_empty((q.shape[0], q.shape[2]), dtype=dtype)
+    per_head = q.new_empty(q.shape[:3], dtype=dtype)
+    return rows, per_head, torch.empty_like(rows), torch.empty_like(rows)
+
+
+@torch.library.custom_op("streamkl::cp_indexer_kl_bwd", mutates_args=())
+def cp_indexer_kl_bwd(
+    grad_kl: Tensor,
+    q: Tensor,
+    k: Tensor,
+    qi: Tensor,
+    ki: Tensor,
+    w: Tensor,
+    topk: Tensor | None,
+    kl: Tensor,
+    lse: Tensor,
+    lse2: Tensor,
+    mass: Tensor,
+    group_name: str,
+    layout: str,
+    causal: bool,
+    scale: float,
+    lse_given: bool,
+    backend: str,
+    needs: list[bool],
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(dqi, dki, dw) of this rank's shards; an unneeded gradient is an empty tensor. Takes what
+    cp_indexer_kl_fwd validated: the spec is read off the shapes, the backend selected once."""
+    group = group_by_name(group_name)
+    call = dict(causal=causal, scale=scale, cu_seqlens=None, max_seqlen=None)
+    spec = _checks.indexer_kl_spec_of_saved(q, k, qi, ki, w, lse_given=lse_given, topk=topk, **call)
+    spec = spec.with_needs(needs)
+    inputs = IndexerKLInputs(q, k, qi, ki, w, lse if lse_given else None, topk)
+    checked = Checked(spec, backend, _dispatch.select(OP, spec, inputs, backend))
+    stats = IndexerKLStats(kl, lse, lse2, mass)
+    grads = run_backward(checked, _plan.context(group, layout, "allgather"), inputs, stats, grad_kl)
+    return tuple(g if g is not None else t.new_empty(0) for g, t in zip(grads, (qi, ki, w)))
+
+
+@cp_indexer_kl_bwd.register_fake
+def _(grad_kl, q, k, qi, ki, w, topk, kl, lse, lse2, mass, *options):
+    needs = options[-1]
+    return tuple(t.new_empty(t.shape if need else (0,)) for t, need in zip((qi, ki, w), needs))
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, qi, ki, w, lse, topk, group_name, layout, causal, scale, backend, *_ = inputs
+    ctx.save_for_backward(q, k, qi, ki, w, topk, *output)
+    ctx.options = (group_name, layout, causal, scale, lse is not None, backend)
+    ctx.mark_non_differentiable(*output[1:])  # only kl carries a gradient
+
+
+def _op_backward(ctx, grad_kl, *_):
+    q, k, qi, ki, w, topk, kl, lse, lse2, mass = ctx.saved_tensors
+    needs = list(ctx.needs_input_grad[2:5])
+    grads = cp_indexer_kl_bwd(grad_kl, q, k, qi, ki, w, topk, kl, lse, lse2, mass, *ctx.options, needs)
+    return (None, None, *(g if need else None for g, need in zip(grads, needs))) + (None,) * 9
+
+
+cp_indexer_kl_fwd.register_autograd(_op_backward, setup_context=_setup_context)
+
+
+# --- the eager path ---------------------------------------------------------------------------
+
+
+class _IndexerKL(torch.autograd.Function):
+    """run_forward / run_backward for a validated eager call: one node, the checked spec and
+    backend reused by the backward. Returns (kl, lse2); lse2 counts the rows of a mean."""
+
+    @staticmethod
+    def forward(ctx, checked, cp, q, k, qi, ki, w, lse, topk):
+        stats = run_forward(checked, cp, IndexerKLInputs(q, k, qi, ki, w, lse, topk))
+        ctx.save_for_backward(q, k, qi, ki, w, topk, *stats)
+        ctx.call = (checked, cp)
+        ctx.mark_non_differentiable(stats.lse2)
+        return stats.kl, stats.lse2
+
+    @staticmethod
+    def backward(ctx, grad_kl, _):
+        q, k, qi, ki, w, topk, *stats = ctx.saved_tensors
+        stats = IndexerKLStats(*stats)
+        checked, cp = ctx.call
+        checked = checked._replace(spec=checked.spec.with_needs(ctx.needs_input_grad[4:7]))
+        lse = stats.lse if checked.spec.given_lse else None
+        grads = run_backward(checked, cp, IndexerKLInputs(q, k, qi, ki, w, lse, topk), stats, grad_kl)
+        return (None,) * 4 + (*once_differentiable("distributed.indexer_kl", grads), None, None)
+
+
+def _reduce(kl: Tensor, lse2: Tensor, reduction: str, group) -> Tensor:
+    """The local rows' KL, or the sequence's sum / mean: one all-reduce of (the local sum, the
+    local rows that see a key), so every rank returns the same value; "mean" divides by the rows
+    of the whole sequence that see a key (at least 1), as the single-process op does. The
+    gradient reaches this rank's rows only: every rank's backward starts from the same global
+    value, and dki's sum over ranks happens in the backward itself."""
+    if reduction == "none":
+        return kl
+    local_sum = kl.sum()
+    seen = torch.isneginf(lse2).logical_not_().sum()
+    # float64 on the wire: the count stays exact past 2^24 rows
+    both = cp_sum(torch.stack([local_sum.detach().double(), seen.double()]), group.group_name)
+    total = both[0].to(kl.dtype) + (local_sum - local_sum.detach())
+    if reduction == "sum":
+        return total
+    return total / both[1].clamp_min(1).to(kl.dtype)
+
+
+def indexer_kl(
+    q, k, qi, ki, w, *, group, lse, scale, causal, topk, layout, reduction, cu_seqlens, max_seqlen, backend,
+):  # fmt: skip
+    """The public call's body (docstring in streamkl/distributed/__init__.py)."""
+    group = resolve_group(group)
+    k, ki = _one_head(k), _one_head(ki)
+    requires_grad = tuple(
+        torch.is_grad_enabled() and isinstance(t, Tensor) and t.requires_grad for t in (qi, ki, w)
+    )
+    options = Options(layout, reduction, backend, requires_grad)
+    call = (group, q, k, qi, ki, w, lse, topk, causal, scale, cu_seqlens, max_seqlen, options)
+    if _traced(q, k, qi, ki, w, lse, topk):
+        # checks that need no communication run at trace time; the cross-rank ones inside the op
+        checked = check(*call, run=False)
+        kl, _, lse2, _ = cp_indexer_kl_fwd(
+            q, k, qi, ki, w, lse, topk, group.group_name, layout, causal, checked.spec.scale,
+            checked.backend, list(requires_grad), reduction,
+        )  # fmt: skip
+    else:
+        checked = check(*call, run=True)
+        cp = _plan.context(group, layout, "allgather")
+        if any(requires_grad):
+            kl, lse2 = _IndexerKL.apply(checked, cp, q, k, qi, ki, w, lse, topk)
+        else:
+            stats = run_forward(checked, cp, IndexerKLInputs(q, k, qi, ki, w, lse, topk))
+            kl, lse2 = stats.kl, stats.lse2
+    return _reduce(kl, lse2, reduction, group)
