@@ -1,0 +1,265 @@
+"""indexer_kl's launchers: the plan read off the spec (one place), outputs allocated, every stride
+passed (no input copied; topk is deduplicated into a sorted int32 copy).
+
+    forward             pass 1 (LSE2, and the teacher's LSE when not given), main pass (KL, T)
+    backward            main pass with a = g [T > 0], b = g / T: the recompute backward
+    forward_with_grads  pass 1, main pass writing KL, T and the gradients of sum_rows KL with
+                        a = b = 1 (T = 1), then, with a given lse, the main pass again on the rows
+                        whose T is not 1 (docs/indexer.md, "One teacher pass per training step")
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+import triton
+
+from ..._spec import IndexerKLGrads, IndexerKLInputs, IndexerKLSpec, IndexerKLStats
+from ._config import pow2_dim
+from ._indexer_lse import _indexer_lse_kernel
+from ._indexer_main import _indexer_main_kernel
+from ._launch import LOG2E, PLAN_CACHE_SIZE, _launch
+
+
+class IndexerCfg(NamedTuple):
+    """Tiles of both passes: BM query rows a program, BN keys a tile, the teacher's head dim BD
+    at a time, HB teacher heads a chunk, GP indexer heads (G padded); BM * HB and BM * GP are at
+    least 16 (tl.dot's smallest M)."""
+
+    bm: int
+    bn: int
+    bd: int
+    hb: int
+    gp: int
+    num_warps: int
+    num_stages: int
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def indexer_cfg(spec: IndexerKLSpec, dtype: torch.dtype, interpret: bool) -> IndexerCfg:
+    """Sparse rows gather their own keys, so a program holds one row (BM = 1) and stacks heads
+    alone; dense programs hold BM = 2 rows, so the MQA teacher's GEMM is 2 x 64 heads = 128 rows
+    and the student's 2 x G (G = 64: 128) with its dqi accumulator [128, Di] in registers. Under
+    the interpreter the tiles are 16 wide, so the CPU tests cross key tiles, head-dim chunks and
+    head chunks."""
+    bm = 1 if spec.sparse else 2
+    least = 16 // bm
+    if interpret:
+        bn, bd, heads = 16, 16, 4
+    elif dtype == torch.float32:
+        bn, bd, heads = 32, 32, 32
+    else:
+        bn, bd, heads = 64, 64, 64
+    hb = max(min(_pow2(spec.group), heads), least)
+    gp = max(_pow2(spec.index_heads), least)
+    bd = min(bd, pow2_dim(spec.d))
+    return IndexerCfg(bm, bn, bd, hb, gp, 8 if not interpret and bm * max(hb, gp) >= 128 else 4, 1)
+
+
+def _prec(dtype: torch.dtype) -> str:
+    # fp32 inputs: true fp32 products (tf32 off: docs/contract.md, Numerics)
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+class IndexerPlan(NamedTuple):
+    grid: tuple[int, int]
+    consts: dict  # the constexprs and launch options both kernels share
+    scalars: tuple  # H, NQ, NK, G, GROUP, CPG, N_CHUNKS, TOPK_W, c_log2
+    variants: dict  # flags -> consts with them (_variant)
+
+
+@functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
+def plan(spec: IndexerKLSpec, q_dtype: torch.dtype, qi_dtype: torch.dtype, interpret: bool) -> IndexerPlan:
+    """Both passes' launch for a call of `spec` with at least one row and one key."""
+    cfg = indexer_cfg(spec, q_dtype, interpret)
+    cpg = triton.cdiv(spec.group, cfg.hb)
+    consts = dict(
+        D=spec.d,
+        DI=spec.di,
+        DIP=pow2_dim(spec.di),
+        BD=cfg.bd,
+        BM=cfg.bm,
+        BN=cfg.bn,
+        HB=cfg.hb,
+        GP=cfg.gp,
+        CAUSAL=spec.causal,
+        VARLEN=spec.packed,
+        SPARSE=spec.sparse,
+        PREC_T=_prec(q_dtype),
+        PREC_S=_prec(qi_dtype),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    z = spec.num_seqs if spec.packed else spec.batch
+    scalars = (
+        spec.heads,
+        spec.nq,
+        spec.nk,
+        spec.index_heads,
+        spec.group,
+        cpg,
+        spec.heads_kv * cpg,
+        spec.topk_width,
+        spec.scale * LOG2E,
+    )
+    return IndexerPlan((triton.cdiv(spec.seq_q, cfg.bm), z), consts, scalars, {})
+
+
+def _variant(base: IndexerPlan, **flags) -> dict:
+    """The plan's constexprs with one kernel's flags, one dict per flag set kept in the plan (the
+    launch cache keys on the dict's identity)."""
+    key = tuple(sorted(flags.items()))
+    found = base.variants.get(key)
+    if found is None:
+        found = base.variants[key] = dict(base.consts, **flags)
+    return found
+
+
+def _plan_of(spec: IndexerKLSpec, inputs: IndexerKLInputs) -> IndexerPlan:
+    interpret = inputs.q.device.type != "cuda"  # CPU tensors run only under the interpreter
+    return plan(spec.with_needs((False,) * 3), inputs.q.dtype, inputs.qi.dtype, interpret)
+
+
+def _strides(inputs: IndexerKLInputs) -> tuple:
+    q, k, qi, ki, w = inputs[:5]
+    return (*q.stride(), *k.stride(), *qi.stride(), ki.stride(0), ki.stride(2), ki.stride(3), *w.stride())
+
+
+def key_sets(topk: torch.Tensor) -> torch.Tensor:
+    """Each row's top-k set sorted, repeats of an index replaced by -1 (a set counts a key once),
+    int32 contiguous (B, Sq, K): what the kernels gather from."""
+    keys = topk.to(torch.int32).sort(-1).values
+    if keys.shape[-1] > 1:
+        keys[..., 1:].masked_fill_(keys[..., 1:] == keys[..., :-1], -1)
+    return keys.contiguous()
+
+
+class _Call(NamedTuple):
+    plan: IndexerPlan
+    lead: tuple  # Q, K, QI, KI, W, TOPK, CU
+    strides: tuple
+
+
+def _call(spec: IndexerKLSpec, inputs: IndexerKLInputs, placeholder: torch.Tensor) -> _Call:
+    topk = key_sets(inputs.topk) if spec.sparse else placeholder
+    cu = inputs.cu_seqlens if spec.packed else placeholder
+    lead = (inputs.q, inputs.k, inputs.qi, inputs.ki, inputs.w, topk, cu)
+    return _Call(_plan_of(spec, inputs), lead, _strides(inputs))
+
+
+def _stats_pass(
+    spec: IndexerKLSpec, inputs: IndexerKLInputs, call: _Call
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pass 1: (lse, lse2), float32 contiguous: the given lse (a copy) or the one computed."""
+    dev = inputs.q.device
+    lse2 = torch.empty((spec.batch, spec.nq), device=dev, dtype=torch.float32)
+    if inputs.lse is not None:
+        lse = inputs.lse.to(dtype=torch.float32, copy=True).contiguous()
+    else:
+        lse = torch.empty((spec.batch, spec.heads, spec.nq), device=dev, dtype=torch.float32)
+    consts = _variant(call.plan, TEACHER_LSE=inputs.lse is None)
+    args = (*call.lead, lse, lse2, *call.strides, *call.plan.scalars)
+    _launch(_indexer_lse_kernel, call.plan.grid, args, consts)
+    return lse, lse2
+
+
+def _main_pass(call: _Call, spec, stats, coefs, outputs, write_kl, grads, accumulate):
+    lse, lse2, kl, mass = stats
+    coef_a, coef_b = coefs
+    dqi, dki, dw = outputs
+    needs = (dqi is not None, dki is not None, dw is not None)
+    out = tuple(t if t is not None else kl for t in (dqi, dki, dw))  # placeholders are never written
+    need_dqi, need_dki, need_dw = needs
+    consts = _variant(
+        call.plan, WRITE_KL=write_kl, GRADS=grads, ACCUMULATE=accumulate, NEED_DQI=need_dqi,
+        NEED_DKI=need_dki, NEED_DW=need_dw,
+    )  # fmt: skip
+    tensors = (*call.lead, lse, lse2, coef_a, coef_b, kl, mass, *out)
+    args = (*tensors, *call.strides, *call.plan.scalars, 1.0 / spec.heads)
+    _launch(_indexer_main_kernel, call.plan.grid, args, consts)
+
+
+def _empty_stats(spec: IndexerKLSpec, inputs: IndexerKLInputs) -> IndexerKLStats:
+    """Statistics of a call with no row or no key: every row sees nothing."""
+    dev = inputs.q.device
+    kl = torch.zeros((spec.batch, spec.nq), device=dev, dtype=torch.float32)
+    if inputs.lse is not None:
+        lse = inputs.lse.to(dtype=torch.float32, copy=True).contiguous()
+    else:
+        lse = torch.full((spec.batch, spec.heads, spec.nq), float("-inf"), device=dev, dtype=torch.float32)
+    return IndexerKLStats(kl, lse, torch.full_like(kl, float("-inf")), torch.zeros_like(kl))
+
+
+def _empty(spec: IndexerKLSpec) -> bool:
+    return spec.batch * spec.nq == 0 or spec.nk == 0
+
+
+def forward(spec: IndexerKLSpec, inputs: IndexerKLInputs) -> IndexerKLStats:
+    """The backend's forward (streamkl/_backend.py): (kl, lse, lse2, mass), float32."""
+    if _empty(spec):
+        return _empty_stats(spec, inputs)
+    kl = torch.empty((spec.batch, spec.nq), device=inputs.q.device, dtype=torch.float32)
+    mass = torch.empty_like(kl)
+    call = _call(spec, inputs, kl)
+    lse, lse2 = _stats_pass(spec, inputs, call)
+    _main_pass(call, spec, (lse, lse2, kl, mass), (kl, kl), (None,) * 3, True, 0, False)
+    return IndexerKLStats(kl, lse, lse2, mass)
+
+
+def _grad_outputs(spec: IndexerKLSpec, inputs: IndexerKLInputs, dki_dtype: torch.dtype):
+    """(dqi, dki accumulator, dw) where spec.needs asks: dqi, dw in their inputs' dtypes (each row
+    written once), dki a zeroed float32 buffer (atomics)."""
+    qi, ki, w = inputs.qi, inputs.ki, inputs.w
+    need_dqi, need_dki, need_dw = spec.needs
+    alloc = torch.zeros if _empty(spec) else torch.empty
+    dqi = alloc(qi.shape, device=qi.device, dtype=qi.dtype) if need_dqi else None
+    dki = torch.zeros(ki.shape, device=ki.device, dtype=dki_dtype) if need_dki else None
+    dw = alloc(w.shape, device=w.device, dtype=w.dtype) if need_dw else None
+    return dqi, dki, dw
+
+
+def backward(
+    spec: IndexerKLSpec, inputs: IndexerKLInputs, stats: IndexerKLStats, grad_kl: torch.Tensor
+) -> IndexerKLGrads:
+    """The backend's backward: the main pass again, dI = g (softmax(I) [T > 0] - p / T)."""
+    dqi, dki, dw = _grad_outputs(spec, inputs, torch.float32)
+    if _empty(spec) or not any(spec.needs):
+        return IndexerKLGrads(dqi, None if dki is None else dki.to(inputs.ki.dtype), dw)
+    kl, lse, lse2, mass = (t.to(torch.float32).contiguous() for t in stats)
+    g = grad_kl.to(torch.float32)
+    has_mass = mass > 0
+    coef_a = torch.where(has_mass, g, 0.0).contiguous()
+    coef_b = torch.where(has_mass, g / torch.where(has_mass, mass, 1.0), 0.0).contiguous()
+    call = _call(spec, inputs, kl)
+    _main_pass(call, spec, (lse, lse2, kl, mass), (coef_a, coef_b), (dqi, dki, dw), False, 2, False)
+    return IndexerKLGrads(dqi, None if dki is None else dki.to(inputs.ki.dtype), dw)
+
+
+def forward_with_grads(spec: IndexerKLSpec, inputs: IndexerKLInputs) -> tuple[IndexerKLStats, IndexerKLGrads]:
+    """The statistics and the gradients of sum_rows KL (streamkl/_backend.py), the teacher
+    streamed once: dI = q - p is exact where T = 1, which holds (to rounding) when this call
+    computes lse. With a given lse, a correction pass adds -q on rows of no target mass and
+    -(1/T - 1) p where T differs from 1 by more than a quarter of the inputs' rounding; its
+    programs whose rows need nothing exit at once."""
+    dqi, dki, dw = _grad_outputs(spec, inputs, torch.float32)
+    if _empty(spec):
+        return _empty_stats(spec, inputs), IndexerKLGrads(dqi, dki, dw)
+    kl = torch.empty((spec.batch, spec.nq), device=inputs.q.device, dtype=torch.float32)
+    mass = torch.empty_like(kl)
+    call = _call(spec, inputs, kl)
+    lse, lse2 = _stats_pass(spec, inputs, call)
+    stats = (lse, lse2, kl, mass)
+    _main_pass(call, spec, stats, (kl, kl), (dqi, dki, dw), True, 1, False)
+    if inputs.lse is not None and any(spec.needs):
+        tolerance = torch.finfo(inputs.qi.dtype).eps / 4
+        has_mass = mass > 0
+        excess = 1.0 / torch.where(has_mass, mass, 1.0) - 1.0
+        coef_a = torch.where(~has_mass & (lse2 > float("-inf")), -1.0, 0.0).contiguous()
+        coef_b = torch.where(has_mass & (excess.abs() > tolerance), excess, 0.0).contiguous()
+        _main_pass(call, spec, stats, (coef_a, coef_b), (dqi, dki, dw), False, 2, True)
+    return IndexerKLStats(kl, lse, lse2, mass), IndexerKLGrads(dqi, dki, dw)
