@@ -32,7 +32,7 @@ from streamkl._spec import IndexerKLInputs
 from streamkl.distributed import _plan
 from streamkl.reference import indexer_kl as reference
 
-from .indexer_oracle import dense_indexer_kl, make_indexer_inputs, random_topk
+from .indexer_oracle import Expected, dense_indexer_kl, make_indexer_inputs, random_topk
 
 DEADLINE_S = 120.0
 COLLECTIVE_TIMEOUT_S = 30.0
@@ -144,6 +144,23 @@ def case_against_single(
         want_shard = cp.shard(want_grad, layout, group).reshape(t.shape)
         assert t.grad.dtype == t.dtype, (name, t.grad.dtype)
         _assert_close(t.grad, want_shard, name)
+
+
+def case_accuracy_rule(rank, world, *, dtype, layout):
+    """16-bit and float32 shards held to the project's rule against the float64 oracle
+    (tests/indexer_oracle.py), on the unsharded result and gradients: a rank's blocks round dki
+    to the input dtype once each before the float32 sum across ranks."""
+    inputs = make_indexer_inputs(b=1, h=4, hk=1, g=3, nq=8 * world, nk=8 * world, d=16, di=8, dtype=dtype,
+                                 seed=5)  # fmt: skip
+    call = {"causal": True, "topk": random_topk(1, 8 * world, 8 * world, 6, seed=6)}
+    upstream = torch.randn(1, 8 * world, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    expected = Expected(inputs, grad=upstream, **call)
+    q, k, *students = (cp.shard(t, layout) for t in inputs)
+    students = [t.requires_grad_() for t in students]
+    kl = cp.indexer_kl(q, k, *students, **_shard_call(call, layout, None), layout=layout, reduction="none")
+    kl.backward(cp.shard(upstream, layout, dim=1).to(kl.dtype))
+    expected.check_kl(cp.unshard(kl, layout, dim=1))
+    expected.check_grads([cp.unshard(t.grad, layout) for t in students], inputs)
 
 
 def case_group_of_one(rank, world, *, layout, causal, sparse):
@@ -405,6 +422,10 @@ def _cases(world: int) -> list[tuple[str, str, dict]]:
         cases.append(("empty-shards", "case_empty_shards", {}))
         cases.append(("one-validation", "case_one_validation_per_call", {}))
         cases.append(("compiled-aot_eager", "case_compiled", dict(compiler="aot_eager")))
+    for dtype in (torch.bfloat16, torch.float32):
+        layout = "zigzag" if world % 2 else "contiguous"
+        kwargs = dict(dtype=dtype, layout=layout)
+        cases.append((f"rule-{str(dtype)[6:]}-{layout}", "case_accuracy_rule", kwargs))
     if world == 4:  # two groups of two, interleaved: ranks of a subgroup are not global ranks
         kwargs = dict(layout="zigzag", causal=True, sparse=True, teacher="mqa", given_lse=False,
                       reduction="mean", subgroups=[[0, 2], [1, 3]])  # fmt: skip
