@@ -37,7 +37,6 @@ from ..ops._common import on_device, once_differentiable, refuse_unsupported_aut
 from ..ops.indexer_kl import _one_head, _out_dtype
 from . import _plan, _validate
 from ._comm import group_by_name, resolve_group
-from ._layout import check_layout
 from ._ops import _traced, cp_sum
 from ._plan import Call, Context, HeadStep
 
@@ -70,6 +69,15 @@ class Checked(NamedTuple):
     impl: object | None
 
 
+def _check_layout(layout) -> None:
+    """The layouts of equal shards of one sequence: indexer_kl's plan has no positions or
+    documents (packed sequences) yet."""
+    if not isinstance(layout, str):
+        raise TypeError(f"layout must be a str, one of {LAYOUTS}; got {type(layout).__name__}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+
+
 def _check_global_topk(topk: Tensor, world: int, nq: int) -> None:
     """topk holds positions in the whole sequence (world * N_local keys), not in the shard."""
     try:
@@ -86,9 +94,7 @@ def check_indexer_kl(group, spec: IndexerKLSpec, inputs: IndexerKLInputs, option
     only); raises ValueError/TypeError naming the argument. Returns (Checked, the metadata every
     rank must share). `run`: real tensors about to run, so topk's values are read (one host sync)
     and the backend is selected, once for every block (a block is a slice of the local call)."""
-    check_layout(options.layout)
-    if options.layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS} for indexer_kl, got {options.layout!r}")
+    _check_layout(options.layout)
     _checks.check_reduction(options.reduction)
     _validate.check_shard_lengths(options.layout, spec.nq, spec.nk)
     name = _dispatch.check_name(options.backend)
