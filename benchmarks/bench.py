@@ -19,7 +19,9 @@ import subprocess
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils.benchmark import Timer
@@ -29,7 +31,15 @@ if __package__ in (None, ""):  # run as a script: the repository root holds the 
 
 import streamkl
 from benchmarks import report
-from benchmarks.providers import Case, Provider, all_providers, attn_kl_bytes, attn_kl_flops, autograd_step
+from benchmarks.providers import (
+    Case,
+    Provider,
+    Unsupported,
+    all_providers,
+    attn_kl_bytes,
+    attn_kl_flops,
+    autograd_step,
+)
 from streamkl.testing import rel_err
 
 K = 1024
@@ -260,11 +270,48 @@ class Reference:
         return errors
 
 
+class Prepared(NamedTuple):
+    """One case's measurements' material: its tensors (what `why_not` and a provider's own check
+    see), per mode the timed call's arguments and the first (checked) call's, and the float64
+    check (`.rows`, `.errors(out, mode)`)."""
+
+    inputs: tuple
+    args: dict[str, tuple]
+    checked: dict[str, tuple]
+    reference: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+    """What the harness needs of an op: its name, the GEMM FLOPs of a case and mode (behind every
+    TFLOP/s), the bytes a forward must move, and the material of a case's measurements."""
+
+    name: str
+    flops: Callable[[Any, str], int]
+    bytes: Callable[[Any], int]
+    prepare: Callable[[Any, torch.device, Options], Prepared]
+
+
+def _prepare_attn_kl(case: Case, device: torch.device, opt: Options) -> Prepared:
+    """attn_kl's inputs, a per-row upstream gradient g, and the float64 check on the last rows."""
+    inputs = case.inputs(device, opt.seed)
+    gen = torch.Generator(device=device).manual_seed(opt.seed + 1)
+    g = torch.randn(case.b, case.h, case.nq, generator=gen, device=device)
+    reference = Reference(case, inputs, g, opt.check_rows)
+    args = {"fwd": inputs, "train": (*inputs, g)}
+    return Prepared(inputs, args, {"fwd": inputs, "train": (*inputs, reference.g_check)}, reference)
+
+
+ATTN_KL = Op("attn_kl", attn_kl_flops, attn_kl_bytes, _prepare_attn_kl)
+
+
 class Runner:
     """Sweeps x cases x modes x providers, one measurement at a time; a failure or an OOM is a record."""
 
-    def __init__(self, device, providers: list[Provider], out: Path, options: Options, run: dict, log=print):
+    def __init__(self, device, providers: list[Provider], out: Path, options: Options, run: dict, log=print,
+                 op: Op = ATTN_KL):  # fmt: skip
         self.device, self.providers, self.out, self.opt, self.log = device, providers, Path(out), options, log
+        self.op = op
         self.data = {"schema": SCHEMA, "runs": [run], "records": []}
         self.oom_at: dict[tuple, int] = {}  # (sweep, provider, mode) -> fewest logits that ran out
         self.t0 = time.perf_counter()
@@ -291,41 +338,41 @@ class Runner:
 
     def run_case(self, sweep: Sweep, case: Case, providers: list[Provider]) -> None:
         """Every measurement of the case, each recorded (and results.json rewritten) as it is made."""
-        failed = None
+        failed = prepared = None
         try:
-            inputs = case.inputs(self.device, self.opt.seed)
-            gen = torch.Generator(device=self.device).manual_seed(self.opt.seed + 1)
-            g = torch.randn(case.b, case.h, case.nq, generator=gen, device=self.device)
-            reference = Reference(case, inputs, g, self.opt.check_rows)
+            prepared = self.op.prepare(case, self.device, self.opt)
         except Exception as exc:  # noqa: BLE001 - inputs that do not fit: every measurement says so
-            failed = {"status": "error", "reason": f"inputs: {exc}"[:500]}
+            failed = {"status": "error", "reason": f"inputs: {type(exc).__name__}: {exc}"[:500]}
+            free_memory(self.device)
         for mode, prov in itertools.product(sweep.modes, providers):
-            fields = failed or self.measure(sweep, case, prov, mode, inputs, g, reference)
-            rec = {"run": 0, "sweep": sweep.name, "case": dataclasses.asdict(case), "case_key": case.key}
+            fields = failed or self.measure(sweep, case, prov, mode, prepared)
+            rec = {"run": 0, "op": self.op.name, "sweep": sweep.name, "case": dataclasses.asdict(case)}
             rec.update(
-                provider=prov.name, kind=prov.kind, mode=mode, flops=attn_kl_flops(case, mode),
-                bytes=attn_kl_bytes(case), **fields,
+                case_key=case.key, provider=prov.name, kind=prov.kind, mode=mode,
+                flops=self.op.flops(case, mode), bytes=self.op.bytes(case), **fields,
             )  # fmt: skip
             self.data["records"].append(rec)
             self.save()
             self.log(report.one_line(rec))
-        inputs = g = reference = None  # freed before the next case
+        prepared = None  # freed before the next case
         free_memory(self.device)
 
-    def measure(self, sweep, case, prov, mode, inputs, g, reference) -> dict:
+    def measure(self, sweep, case, prov, mode, prepared: Prepared) -> dict:
         """The record's fields: why it did not run, or its timing, or its failure."""
         key = (sweep.name, prov.name, mode)
         if self.opt.max_seconds is not None and time.perf_counter() - self.t0 > self.opt.max_seconds:
             return {"status": "n/a", "reason": f"not started: --max-seconds {self.opt.max_seconds:g} spent"}
         if mode == "train" and prov.train is None:
             return {"status": "n/a", "reason": "no training step (a forward yardstick)"}
-        if reason := prov.why_not(case, inputs):
+        if reason := prov.why_not(case, prepared.inputs):
             return {"status": "n/a", "reason": reason}
         if case.logits >= self.oom_at.get(key, math.inf):
             reason = f"not run: out of memory at {self.oom_at[key]} logits, here {case.logits}"
             return {"status": "oom", "reason": reason}
         try:
-            fields = self._time(case, prov, mode, inputs, g, reference)
+            fields = self._time(case, prov, mode, prepared)
+        except Unsupported as exc:  # the provider found out on its first call that it cannot run this
+            fields = {"status": "n/a", "reason": str(exc)[:1000]}
         except torch.cuda.OutOfMemoryError as exc:
             self.oom_at[key] = case.logits  # fewer than any before: larger cases were not run
             fields = {"status": "oom", "reason": str(exc).splitlines()[0][:300]}
@@ -335,17 +382,16 @@ class Runner:
         free_memory(self.device)
         return fields
 
-    def _time(self, case, prov, mode, inputs, g, reference) -> dict:
+    def _time(self, case, prov, mode, prepared: Prepared) -> dict:
         """A first call (the warm-up, checked), a second (peak memory on CUDA), then the timing."""
         fn = prov.fwd(case) if mode == "fwd" else prov.train(case)
-        checked = inputs if mode == "fwd" else (*inputs, reference.g_check)
-        args = inputs if mode == "fwd" else (*inputs, g)
+        args, checked, reference = prepared.args[mode], prepared.checked[mode], prepared.reference
         t0 = time.perf_counter()
         out = fn(*(args if prov.check else checked))
         synchronize(self.device)
         fields = {"first_call_s": round(time.perf_counter() - t0, 4)}
         if prov.check is not None:
-            fields["error"] = prov.check(case, inputs, mode, reference.rows)
+            fields["error"] = prov.check(case, prepared.inputs, mode, reference.rows)
         elif prov.kind != "yardstick":
             fields["error"] = reference.errors(out, mode)
         del out
@@ -363,8 +409,21 @@ class Runner:
             ms, timer = one_call_s * 1e3, "one synchronized call (over --long-call-s)"
         else:
             ms, timer = time_ms(lambda: fn(*args), self.device, self.opt)
-        tflops = attn_kl_flops(case, mode) / ms / 1e9
+        tflops = self.op.flops(case, mode) / ms / 1e9
         return {"status": "ok", "ms": ms, "tflops": tflops, "timer": timer, **fields}
+
+
+def add_run_flags(p: argparse.ArgumentParser, out_default: str) -> None:
+    """The flags of every op's CLI: which providers, where to write, how to time, what to record."""
+    p.add_argument("--providers", help="comma list of provider names (default: all)")
+    p.add_argument("--out", help=f"output folder (default: {out_default})")
+    p.add_argument("--warmup-ms", type=float, default=25.0, help="do_bench warm-up")
+    p.add_argument("--rep-ms", type=float, default=100.0, help="do_bench measuring time")
+    p.add_argument("--long-call-s", type=float, default=5.0, help="calls this long are timed once")
+    p.add_argument("--check-rows", type=int, default=64, help="query rows checked against float64")
+    p.add_argument("--max-seconds", type=float, help="start no measurement after this")
+    p.add_argument("--commit", help="the commit to record where the copy has no .git")
+    p.add_argument("--no-plots", action="store_true")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -387,16 +446,48 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], help="default: bf16 on GPU")
     p.add_argument("--causal", choices=["0", "1", "both"], default="both")
-    p.add_argument("--providers", help="comma list of provider names (default: all)")
-    p.add_argument("--out", help="output folder (default: docs/benchmarks/<date>_<device>)")
-    p.add_argument("--warmup-ms", type=float, default=25.0, help="do_bench warm-up")
-    p.add_argument("--rep-ms", type=float, default=100.0, help="do_bench measuring time")
-    p.add_argument("--long-call-s", type=float, default=5.0, help="calls this long are timed once")
-    p.add_argument("--check-rows", type=int, default=64, help="query rows checked against float64")
-    p.add_argument("--max-seconds", type=float, help="start no measurement after this")
-    p.add_argument("--commit", help="the commit to record where the copy has no .git")
-    p.add_argument("--no-plots", action="store_true")
+    add_run_flags(p, "docs/benchmarks/<date>_<device>")
     return p
+
+
+def chosen_providers(providers: list[Provider], args, p: argparse.ArgumentParser) -> list[Provider]:
+    """The providers --providers names (all by default); in --smoke, those Triton runs left out."""
+    if args.smoke:  # Triton's interpreter takes about a second a call: the smoke run leaves it to the tests
+        for interpreted in (p for p in providers if p.name in ("streamkl-triton", "fla-fused-kl")):
+            interpreted.why_not = lambda case, inputs: (
+                "left out of --smoke (Triton's interpreter: about 1 s a call)"
+            )
+    if not args.providers:
+        return providers
+    wanted = args.providers.split(",")
+    if unknown := set(wanted) - {p.name for p in providers}:
+        known = ", ".join(p.name for p in providers)
+        p.error(f"unknown providers {sorted(unknown)}; known: {known}")
+    return [p for p in providers if p.name in wanted]
+
+
+def execute(script: str, argv: list[str], args, device, sweeps: list[Sweep], providers, op: Op = ATTN_KL,
+            folder_suffix: str = "", config: dict | None = None) -> int:  # fmt: skip
+    """Run the sweeps, write results.json, then results.md and the plots; the shared tail of every
+    op's CLI (`script` and `argv` are the command recorded)."""
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(Options) if hasattr(args, f.name)}
+    options = Options(**given, min_run_time=0.01 if args.smoke else 0.2)
+    env = environment(device, [script, *argv], args.commit)
+    slug = re.sub(r"[^a-z0-9]+", "-", env["device"].lower().replace("nvidia", "")).strip("-")
+    where = slug if device.type == "cuda" else "cpu"
+    out = Path(args.out or f"docs/benchmarks/{env['date'][:10]}_{where}{folder_suffix}")
+    preset = "smoke" if args.smoke else "full" if getattr(args, "full", False) else "quick"
+    config = {"preset": preset, **(config or {}), "sweeps": {s.name: s.what for s in sweeps}}
+    config.update(providers={p.name: p.what for p in providers}, options=dataclasses.asdict(options))
+    log = functools.partial(print, flush=True)
+    log(f"{script} on {env['device']}: sweeps {', '.join(s.name for s in sweeps)}; out {out}")
+    run = {"environment": env, "config": config}
+    data = Runner(device, providers, out, options, run, log, op=op).run(sweeps)
+    written = report.render(data, out, with_plots=not args.no_plots)
+    counts = dict(collections.Counter(r["status"] for r in data["records"]))
+    paths = ", ".join(str(p) for p in [out / "results.json", *written])
+    log(f"done in {data['runs'][0]['elapsed_s']} s: {counts}; wrote {paths}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -409,34 +500,8 @@ def main(argv: list[str] | None = None) -> int:
         parser().error(f"unknown sweep in {args.sweep!r}; expected {', '.join(SWEEPS)} or all")
     args.dtype = args.dtype or ("bfloat16" if cuda else "float32")
     sweeps = build_sweeps(names, args)
-    providers = all_providers("inductor" if cuda else "aot_eager")
-    if args.smoke:  # Triton's interpreter takes about a second a call: the smoke run leaves it to the tests
-        for interpreted in (p for p in providers if p.name in ("streamkl-triton", "fla-fused-kl")):
-            interpreted.why_not = lambda case, inputs: (
-                "left out of --smoke (Triton's interpreter: about 1 s a call)"
-            )
-    if args.providers:
-        wanted = args.providers.split(",")
-        if unknown := set(wanted) - {p.name for p in providers}:
-            known = ", ".join(p.name for p in providers)
-            parser().error(f"unknown providers {sorted(unknown)}; known: {known}")
-        providers = [p for p in providers if p.name in wanted]
-    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(Options) if hasattr(args, f.name)}
-    options = Options(**given, min_run_time=0.01 if args.smoke else 0.2)
-    env = environment(device, ["benchmarks/bench.py", *argv], args.commit)
-    slug = re.sub(r"[^a-z0-9]+", "-", env["device"].lower().replace("nvidia", "")).strip("-")
-    out = Path(args.out or f"docs/benchmarks/{env['date'][:10]}_{slug if cuda else 'cpu'}")
-    preset = "smoke" if args.smoke else "full" if args.full else "quick"
-    config = {"preset": preset, "sweeps": {s.name: s.what for s in sweeps}}
-    config.update(providers={p.name: p.what for p in providers}, options=dataclasses.asdict(options))
-    log = functools.partial(print, flush=True)
-    log(f"benchmarks/bench.py on {env['device']}: sweeps {', '.join(s.name for s in sweeps)}; out {out}")
-    data = Runner(device, providers, out, options, {"environment": env, "config": config}, log).run(sweeps)
-    written = report.render(data, out, with_plots=not args.no_plots)
-    counts = dict(collections.Counter(r["status"] for r in data["records"]))
-    paths = ", ".join(str(p) for p in [out / "results.json", *written])
-    log(f"done in {data['runs'][0]['elapsed_s']} s: {counts}; wrote {paths}")
-    return 0
+    providers = chosen_providers(all_providers("inductor" if cuda else "aot_eager"), args, parser())
+    return execute("benchmarks/bench.py", argv, args, device, sweeps, providers)
 
 
 if __name__ == "__main__":

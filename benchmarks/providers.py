@@ -81,6 +81,11 @@ def attn_kl_flops(case: Case, mode: str) -> int:
     raise ValueError(f"mode must be 'fwd' or 'train', got {mode!r}")
 
 
+class Unsupported(Exception):
+    """Raised by a provider's call that finds it cannot run the case (a backend that does not
+    implement the op yet, say): the harness records it n/a with this message, not as an error."""
+
+
 @dataclass
 class Provider:
     name: str

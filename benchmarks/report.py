@@ -15,6 +15,11 @@ from pathlib import Path
 
 SHORT_DTYPE = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 MODE_TITLE = {"fwd": "forward", "train": "training step (forward, then dq2 and dk2 with the teacher fixed)"}
+INDEXER_MODE_TITLE = {
+    "fwd": "forward",
+    "train": "training step (the mean KL, then dqi, dki and dw; teacher fixed)",
+}
+N_SWEEPS = ("n", "dense", "sparse")  # sweeps over N = Nq = Nk: plotted against N
 COLORS = {
     "streamkl-cuda": "tab:red",
     "streamkl-triton": "tab:blue",
@@ -27,6 +32,9 @@ COLORS = {
     "torch-fp32": "tab:pink",
     "torch.compile-fp32": "tab:olive",
     "attention-cudnn": "black",
+    "megatron-eager": "tab:orange",
+    "megatron-compile": "tab:green",
+    "megatron-head-chunked": "tab:purple",
 }
 README_BLOCK = re.compile(
     r"<!-- bench:headline:start (?P<path>\S+)(?: sweeps=(?P<sweeps>\S+))? -->\n"
@@ -46,10 +54,27 @@ def fmt_ms(ms: float) -> str:
     return f"{ms:.3f}" if ms < 1 else f"{ms:.2f}" if ms < 100 else f"{ms:,.0f}"
 
 
+def is_indexer(c: dict) -> bool:
+    """An indexer_kl case (benchmarks/indexer_providers.py), told from attn_kl's by its fields."""
+    return "g" in c and "di" in c
+
+
 def case_name(c: dict) -> str:
     size = fmt_n(c["nq"]) if c["nq"] == c["nk"] else f"{fmt_n(c['nq'])}x{fmt_n(c['nk'])}"
-    label = f" {c['label']}" if c.get("label") else ""
+    labels = [c["label"]] if c.get("label") else []
+    if is_indexer(c):
+        labels = [f"top-{c['topk']}"] * bool(c["topk"]) + ["lse computed"] * (c["lse"] != "given") + labels
+    label = "".join(f" {x}" for x in labels)
     return f"{size} {'causal' if c['causal'] else 'full'} {SHORT_DTYPE.get(c['dtype'], c['dtype'])}{label}"
+
+
+def shape_text(c: dict) -> str:
+    """A sweep's fixed shape, for its section's title."""
+    if not is_indexer(c):
+        return f"B={c['b']}, H={c['h']}, D={c['d1']}"
+    kv = "MQA" if c["hk"] == 1 else "MHA" if c["hk"] == c["h"] else f"{c['hk']} key heads"
+    scale = c["scale"] if c["scale"] is not None else c["d"] ** -0.5
+    return f"B={c['b']}, H={c['h']} ({kv}, D={c['d']}, scale {scale:.4g}), G={c['g']}, Di={c['di']}"
 
 
 def time_cell(rec: dict) -> str:
@@ -57,11 +82,13 @@ def time_cell(rec: dict) -> str:
 
 
 def error_cell(rec: dict | None) -> str:
-    """KL error (forward), or KL / dq2 / dk2 errors (training step)."""
+    """KL error (forward), or KL / dq2 / dk2 errors (attn_kl's training step), or KL / dqi / dki / dw
+    (indexer_kl's); "—" for one not checked."""
     err = (rec or {}).get("error") or {}
     if "kl" not in err:
         return "check failed" if "failed" in err else "—"
-    return " / ".join(f"{err[k]:.1e}" for k in ("kl", "dq2", "dk2") if k in err)
+    keys = [k for k in ("kl", "dq2", "dk2", "dqi", "dki", "dw") if k in err]
+    return " / ".join("—" if err[k] is None else f"{err[k]:.1e}" for k in keys)
 
 
 def one_line(rec: dict) -> str:
@@ -151,6 +178,33 @@ def device_name(env: dict) -> str:
     return f"{env['device']} (sm {cap})" if cap else env["device"]
 
 
+PROVIDERS_TEXT = (
+    "TFLOP/s count the useful GEMM work of the case (`benchmarks/providers.py`, "
+    "`attn_kl_flops`), whatever a provider computes; % of GEMM is against the run's bf16 GEMM at its "
+    "start. Errors are against float64 on the last query rows (KL: max over rows of |kl - ref| / max(1, "
+    "|ref|); dq2 on those rows and dk2: relative norm error). "
+)
+COPY_TEXT = (
+    " % of copy (the decode forward) is the inputs' bytes read once, and the KL written, against the "
+    "run's device-to-device copy bandwidth."
+)
+INDEXER_PROVIDERS_TEXT = (
+    "TFLOP/s count the GEMM work the method needs over the admitted pairs "
+    "(`benchmarks/indexer_providers.py`, `indexer_kl_flops`: the teacher's 2*H*D once per pair, the "
+    "student's 2*G*Di once in a forward and four times in a training step), whatever a provider "
+    "computes; % of GEMM is against the run's bf16 GEMM at its start. Errors are against float64 "
+    "(streamkl's reference backend): forward, the max over the checked rows of |kl - ref| / max(1, "
+    "|ref|); training step (the mean KL over the rows, then its gradients), KL / dqi / dki / dw: the "
+    "loss's error as the forward's and the gradients' relative norm errors, on the whole case where "
+    "it is small enough (`--full-check-logits`), else dqi and dw on the last rows only (the loss and "
+    "dki: —). "
+)
+MEMORY_TEXT = (
+    "Peak extra memory (CUDA only) counts what one call allocates beyond what was allocated before it, "
+    "its outputs included; the first call (compilation, autotuning) is never timed."
+)
+
+
 def markdown(data: dict) -> str:
     records, runs, providers, sweeps = data["records"], [], {}, {}
     for i, run in enumerate(data["runs"]):
@@ -167,26 +221,24 @@ def markdown(data: dict) -> str:
     kinds = {r["provider"]: r["kind"] for r in records}
     runs_header = ["run", "date", "commit", "command", "software", "bf16 GEMM TFLOP/s, start / end"]
     runs_header.append("copy GB/s")
+    indexer = any(is_indexer(r["case"]) for r in records)
     parts = [
-        f"# streamkl benchmarks: {device}\n",
+        f"# streamkl benchmarks{' (indexer_kl)' * indexer}: {device}\n",
         f"Device: {device_name(data['runs'][0]['environment'])}.\n\n" + table(runs_header, runs),
-        "## Providers\n\nTFLOP/s count the useful GEMM work of the case (`benchmarks/providers.py`, "
-        "`attn_kl_flops`), whatever a provider computes; % of GEMM is against the run's bf16 GEMM at its "
-        "start. Errors are against float64 on the last query rows (KL: max over rows of |kl - ref| / max(1, "
-        "|ref|); dq2 on those rows and dk2: relative norm error). Peak extra memory (CUDA only) counts what "
-        "one call allocates beyond what was allocated before it, its outputs included; the first call "
-        "(compilation, autotuning) is never timed. % of copy (the decode forward) is the inputs' bytes read "
-        "once, and the KL written, against the run's device-to-device copy bandwidth.\n\n"
+        "## Providers\n\n"
+        + (INDEXER_PROVIDERS_TEXT + MEMORY_TEXT if indexer else PROVIDERS_TEXT + MEMORY_TEXT + COPY_TEXT)
+        + "\n\n"
         + table(["provider", "kind", "what"], [[n, kinds.get(n, ""), w] for n, w in providers.items()]),
         "## Headline\n\nstreamkl's fastest backend against the fastest non-fp32 baseline measured "
-        "in the same run for the same case; errors KL / dq2 / dk2.\n\n" + headline(data),
+        f"in the same run for the same case; errors {'KL / dqi / dki / dw' if indexer else 'KL / dq2 / dk2'}"
+        ".\n\n" + headline(data),
     ]
     measured = [r for r in records if r["status"] != "n/a"]
     header = ["case", "provider", "ms", "TFLOP/s", "% of GEMM", "peak extra MiB", "error", "first call s"]
     for sweep, what in sweeps.items():
         if first := next((r["case"] for r in measured if r["sweep"] == sweep), None):
-            parts.append(f"## Sweep `{sweep}`: {what} (B={first['b']}, H={first['h']}, D={first['d1']})\n")
-        for mode, title in MODE_TITLE.items():
+            parts.append(f"## Sweep `{sweep}`: {what} ({shape_text(first)})\n")
+        for mode, title in (INDEXER_MODE_TITLE if indexer else MODE_TITLE).items():
             copy = sweep == "decode" and mode == "fwd"  # memory-bound: against the copy bandwidth
             here = [r for r in measured if (r["sweep"], r["mode"]) == (sweep, mode)]
             if rows := [_sweep_row(data, r, copy) for r in here]:
@@ -218,7 +270,8 @@ def _sweep_row(data: dict, r: dict, copy: bool = False) -> list[str]:
 
 
 def plots(data: dict, out: Path) -> list[Path]:
-    """TFLOP/s and time against N (the n sweep, a panel per mode and mask), error against time."""
+    """TFLOP/s and time against N (the sweeps over N, a panel per mode, sweep and mask), error
+    against time."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -234,24 +287,26 @@ def plots(data: dict, out: Path) -> list[Path]:
         return out / name
 
     records = data["records"]
-    n_recs = [r for r in records if r["sweep"] == "n"]
+    n_recs = [r for r in records if r["sweep"] in N_SWEEPS]
     modes = sorted({r["mode"] for r in n_recs})
-    masks = sorted({(r["case"]["causal"], r["case"]["dtype"]) for r in n_recs})
+    panel_of = lambda r: (N_SWEEPS.index(r["sweep"]), r["case"]["causal"], r["case"]["dtype"])
+    masks = sorted({panel_of(r) for r in n_recs})
     gemms = [g["tflops"] for run in data["runs"] if (g := (run.get("gemm") or {}).get("start"))]
     written = []
     for name, quantity in (("tflops_vs_n.png", "tflops"), ("time_vs_n.png", "ms")) if n_recs else ():
         size = (4.6 * len(masks), 3.8 * len(modes))
         fig, axes = plt.subplots(len(modes), len(masks), figsize=size, squeeze=False)
-        for (i, mode), (j, (causal, dtype)) in itertools.product(enumerate(modes), enumerate(masks)):
-            key = (mode, causal, dtype)
-            recs = [r for r in n_recs if (r["mode"], r["case"]["causal"], r["case"]["dtype"]) == key]
+        for (i, mode), (j, mask) in itertools.product(enumerate(modes), enumerate(masks)):
+            recs = [r for r in n_recs if r["mode"] == mode and panel_of(r) == mask]
             _panel(axes[i][j], recs, quantity, gemms)
-            axes[i][j].set_title(f"{mode}, {'causal' if causal else 'full'}, {SHORT_DTYPE.get(dtype, dtype)}")
+            sweep, causal, dtype = N_SWEEPS[mask[0]], mask[1], SHORT_DTYPE.get(mask[2], mask[2])
+            title = f"{mode}, {'causal' if causal else 'full'}, {dtype}"
+            axes[i][j].set_title(title if sweep == "n" else f"{sweep}: {title}")
         written.append(save(fig, name))
     fwd = [r for r in records if (r["mode"], r["status"]) == ("fwd", "ok") and "kl" in r.get("error", {})]
     fig, ax = plt.subplots(figsize=(6, 4.2))
     for prov in dict.fromkeys(r["provider"] for r in fwd):
-        pts = [(r["ms"], max(r["error"]["kl"], 1e-17)) for r in fwd if r["provider"] == prov]
+        pts = [(r["ms"], max(r["error"]["kl"] or 0.0, 1e-17)) for r in fwd if r["provider"] == prov]
         ax.scatter(*zip(*pts), s=12, color=COLORS.get(prov), label=prov)
     ax.set(xscale="log", yscale="log", xlabel="forward ms", ylabel="KL error against float64")
     ax.set_title("forward: error against time, every sweep", fontsize=9)

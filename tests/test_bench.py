@@ -46,6 +46,8 @@ PRODUCT = (
     "report.py",
     "sdpa_trick.py",
     "fla_kl.py",
+    "indexer_bench.py",
+    "indexer_providers.py",
     "overhead.py",
     "test_speed.py",
 )
