@@ -374,7 +374,7 @@ class _IndexerKL(torch.autograd.Function):
         return (None,) * 4 + (*once_differentiable("distributed.indexer_kl", grads), None, None)
 
 
-def _reduce(kl: Tensor, lse2: Tensor, reduction: str, group) -> Tensor:
+def _reduce(kl: Tensor, lse2: Tensor, reduction: str, group, traced: bool) -> Tensor:
     """The local rows' KL, or the sequence's sum / mean: one all-reduce of (the local sum, the
     local rows that see a key), so every rank returns the same value; "mean" divides by the rows
     of the whole sequence that see a key (at least 1), as the single-process op does. The
@@ -385,7 +385,11 @@ def _reduce(kl: Tensor, lse2: Tensor, reduction: str, group) -> Tensor:
     local_sum = kl.sum()
     seen = torch.isneginf(lse2).logical_not_().sum()
     # float64 on the wire: the count stays exact past 2^24 rows
-    both = cp_sum(torch.stack([local_sum.detach().double(), seen.double()]), group.group_name)
+    both = torch.stack([local_sum.detach().double(), seen.double()])
+    if traced:  # the collective inside an op the compiler treats as opaque
+        both = cp_sum(both, group.group_name)
+    elif dist.get_world_size(group) > 1:  # eager: no dispatcher, as the rest of the eager path
+        dist.all_reduce(both, group=group)
     total = both[0].to(kl.dtype) + (local_sum - local_sum.detach())
     if reduction == "sum":
         return total
@@ -403,7 +407,8 @@ def indexer_kl(
     )
     options = Options(layout, reduction, backend, requires_grad)
     call = (group, q, k, qi, ki, w, lse, topk, causal, scale, cu_seqlens, max_seqlen, options)
-    if _traced(q, k, qi, ki, w, lse, topk):
+    traced = _traced(q, k, qi, ki, w, lse, topk)
+    if traced:
         # checks that need no communication run at trace time; the cross-rank ones inside the op
         checked = check(*call, run=False)
         kl, _, lse2, _ = cp_indexer_kl_fwd(
@@ -418,4 +423,4 @@ def indexer_kl(
         else:
             stats = run_forward(checked, cp, IndexerKLInputs(q, k, qi, ki, w, lse, topk))
             kl, lse2 = stats.kl, stats.lse2
-    return _reduce(kl, lse2, reduction, group)
+    return _reduce(kl, lse2, reduction, group, traced)
