@@ -204,8 +204,14 @@ def run_forward(checked: Checked, ctx: Context, inputs: IndexerKLInputs) -> Inde
     if kl.numel() == 0:
         return stats
     total = ctx.world * spec.nq
+    written: list[slice] = []
 
     def block(step: HeadStep, call: Call, keys: list[Tensor]) -> None:
+        # a row in two calls would need its partial states merged, not the second written over
+        # the first: fail loudly should a plan ever split a row's keys
+        if any(call.rows.start < done.stop and done.start < call.rows.stop for done in written):
+            raise RuntimeError(f"{WHAT}: the plan puts rows {call.rows} in a second call")
+        written.append(call.rows)
         part = backend.forward(_block_spec(spec, call), _block_inputs(inputs, lse, call, keys, total))
         for out, got in zip(stats, part):
             out[..., call.rows] = got
