@@ -146,7 +146,7 @@ def case_against_single(
         _assert_close(t.grad, want_shard, name)
 
 
-def case_accuracy_rule(rank, world, *, dtype, layout):
+def case_accuracy_rule(rank, world, *, dtype, layout, backend=None):
     """16-bit and float32 shards held to the project's rule against the float64 oracle
     (tests/indexer_oracle.py), on the unsharded result and gradients: a rank's blocks round dki
     to the input dtype once each before the float32 sum across ranks."""
@@ -157,7 +157,8 @@ def case_accuracy_rule(rank, world, *, dtype, layout):
     expected = Expected(inputs, grad=upstream, **call)
     q, k, *students = (cp.shard(t, layout) for t in inputs)
     students = [t.requires_grad_() for t in students]
-    kl = cp.indexer_kl(q, k, *students, **_shard_call(call, layout, None), layout=layout, reduction="none")
+    local_call = _shard_call(call, layout, None)
+    kl = cp.indexer_kl(q, k, *students, **local_call, layout=layout, reduction="none", backend=backend)
     kl.backward(cp.shard(upstream, layout, dim=1).to(kl.dtype))
     expected.check_kl(cp.unshard(kl, layout, dim=1))
     expected.check_grads([cp.unshard(t.grad, layout) for t in students], inputs)
@@ -422,6 +423,9 @@ def _cases(world: int) -> list[tuple[str, str, dict]]:
         cases.append(("empty-shards", "case_empty_shards", {}))
         cases.append(("one-validation", "case_one_validation_per_call", {}))
         cases.append(("compiled-aot_eager", "case_compiled", dict(compiler="aot_eager")))
+        if TRITON_ON_CPU:  # any backend runs the blocks: triton too, under its interpreter
+            kwargs = dict(dtype=torch.float32, layout="zigzag", backend="triton")
+            cases.append(("rule-triton-float32-zigzag", "case_accuracy_rule", kwargs))
     for dtype in (torch.bfloat16, torch.float32):
         layout = "zigzag" if world % 2 else "contiguous"
         kwargs = dict(dtype=dtype, layout=layout)
@@ -433,6 +437,15 @@ def _cases(world: int) -> list[tuple[str, str, dict]]:
     return cases
 
 
+def _triton_on_cpu() -> bool:
+    """Whether triton runs indexer_kl on CPU tensors (tests/conftest.py sets TRITON_INTERPRET=1
+    without a GPU; the spawned processes inherit it)."""
+    q, k, qi, ki, w = make_indexer_inputs(dtype=torch.float32)
+    spec = _checks.indexer_kl_spec(q, k, qi, ki, w, lse=None, topk=None, causal=True, scale=None)
+    return _dispatch.why_not("triton", "indexer_kl", spec, IndexerKLInputs(q, k, qi, ki, w)) is None
+
+
+TRITON_ON_CPU = _triton_on_cpu()
 WORLDS = (2, 3, 4)
 CASES = [(world, name) for world in WORLDS for name, _, _ in _cases(world)]
 
