@@ -42,30 +42,42 @@ GPU_COMMAND = "python benchmarks/indexer_bench.py --max-seconds 480"
 
 
 def build_sweeps(names: list[str], args) -> list[Sweep]:
-    """The sweeps named at the sizes asked (default 4K-128K), or in miniature on CPU (--smoke)."""
+    """The sweeps named ('dense', or 'dense:4k+16k' for its own sizes, in that order; a sweep may be
+    named twice, its sizes split to order the run) at their sizes (default --sizes, else 4K-128K),
+    or in miniature on CPU (--smoke)."""
     if args.smoke:  # bf16 where the Megatron baselines run; float32 with the lse computed (streamkl only)
         shape = dict(b=1, h=4, hk=1, g=3, nq=64, nk=64, d=32, di=16, causal=True, scale=0.2)
-        cases = {
+        smoke = {
             "dense": [IndexerCase(dtype="bfloat16", **shape)],
             "sparse": [
                 IndexerCase(dtype="bfloat16", topk=16, **shape),
                 IndexerCase(dtype="float32", topk=16, lse="computed", **shape),
             ],
         }
-    else:
-        causals = {"0": [False], "1": [True], "both": [True, False]}[args.causal]
-        shape = dict(b=args.batch, h=args.heads, hk=args.kv_heads, g=args.index_heads, d=args.dim)
-        shape.update(di=args.index_dim, scale=args.scale, dtype=args.dtype, lse=args.lse)
-        sizes = args.sizes or SIZES
-        cases = {
-            name: [
-                IndexerCase(nq=n, nk=n, causal=c, topk=args.topk if name == "sparse" else 0, **shape)
-                for c in causals
-                for n in sizes
-            ]
-            for name in SWEEPS
-        }
-    return [Sweep(name, SWEEPS[name], cases[name]) for name in names]
+        return [Sweep(name, SWEEPS[name], smoke[name]) for name in SWEEPS]
+    causals = {"0": [False], "1": [True], "both": [True, False]}[args.causal]
+    shape = dict(b=args.batch, h=args.heads, hk=args.kv_heads, g=args.index_heads, d=args.dim)
+    shape.update(di=args.index_dim, scale=args.scale, dtype=args.dtype, lse=args.lse)
+    sweeps = []
+    for item in names:
+        name, _, sizes = item.partition(":")
+        sizes = _sizes(sizes.replace("+", ",")) if sizes else args.sizes or SIZES
+        topk = args.topk if name == "sparse" else 0
+        cases = [IndexerCase(nq=n, nk=n, causal=c, topk=topk, **shape) for c in causals for n in sizes]
+        sweeps.append(Sweep(name, SWEEPS[name], cases))
+    return sweeps
+
+
+def parse_sweeps(text: str) -> list[str]:
+    """--sweep's items ('all' is every sweep); ValueError naming an unknown sweep or size."""
+    items = list(SWEEPS) if text == "all" else text.split(",")
+    for item in items:
+        name, _, sizes = item.partition(":")
+        if name not in SWEEPS:
+            raise ValueError(f"unknown sweep {name!r}; expected {', '.join(SWEEPS)} or all")
+        if sizes:
+            _sizes(sizes.replace("+", ","))
+    return items
 
 
 class IndexerReference:
@@ -163,7 +175,12 @@ def parser() -> argparse.ArgumentParser:
         "results.md and plots. Defaults: DeepSeek-V3.2's shapes, causal, bf16 on a GPU.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--sweep", default="dense,sparse", help=f"comma list of {', '.join(SWEEPS)}, or all")
+    p.add_argument(
+        "--sweep",
+        default="dense,sparse",
+        help=f"comma list of {', '.join(SWEEPS)} (or all), each optionally with its own sizes in the "
+        "order run: dense:4k+16k,sparse:64k",
+    )
     p.add_argument("--smoke", action="store_true", help="both sweeps in miniature on CPU (CI)")
     p.add_argument("--sizes", type=_sizes, help="Sq = Sk of both sweeps, e.g. 4k,16k (default 4K-128K)")
     p.add_argument("--batch", type=int, default=1)
@@ -193,9 +210,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     cuda = torch.cuda.is_available() and not args.smoke
     device = torch.device("cuda" if cuda else "cpu")
-    names = list(SWEEPS) if args.sweep == "all" or args.smoke else args.sweep.split(",")
-    if set(names) - set(SWEEPS):
-        p.error(f"unknown sweep in {args.sweep!r}; expected {', '.join(SWEEPS)} or all")
+    try:
+        names = parse_sweeps(args.sweep)
+    except ValueError as exc:
+        p.error(f"--sweep {args.sweep!r}: {exc}")
     if args.heads % args.kv_heads:
         p.error(f"--kv-heads {args.kv_heads} must divide --heads {args.heads}")
     args.dtype = args.dtype or ("bfloat16" if cuda else "float32")

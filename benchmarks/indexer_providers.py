@@ -153,7 +153,7 @@ def topk_sets(case: IndexerCase, device, seed: int) -> torch.Tensor:
         seen = seen_all[r0 : r0 + step, None]
         lo, hi = (j * seen) // width, ((j + 1) * seen) // width  # strata of [0, seen) when seen >= K
         u = torch.rand(case.b, *lo.shape, generator=gen, device=device)
-        drawn = lo + (u * (hi - lo)).long()
+        drawn = torch.minimum(lo + (u * (hi - lo)).long(), hi - 1)  # u * n may round up to n in float32
         idx = torch.where(seen >= width, drawn, torch.where(j < seen, j, -1))
         order = torch.rand(idx.shape, generator=gen, device=device).argsort(-1)
         out[:, r0 : r0 + step] = idx.gather(-1, order).int()

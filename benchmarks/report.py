@@ -68,6 +68,11 @@ def case_name(c: dict) -> str:
     return f"{size} {'causal' if c['causal'] else 'full'} {SHORT_DTYPE.get(c['dtype'], c['dtype'])}{label}"
 
 
+def size_order(c: dict) -> tuple:
+    """An indexer case's place in its sweep's tables: causal first, then dtype, lse, size."""
+    return (not c["causal"], c["dtype"], c.get("lse", ""), c.get("topk", 0), c["nq"], c["nk"])
+
+
 def shape_text(c: dict) -> str:
     """A sweep's fixed shape, for its section's title."""
     if not is_indexer(c):
@@ -135,6 +140,14 @@ def headline(data: dict, sweeps: list[str] | None = None) -> str:
     groups = collections.defaultdict(list)  # (sweep, case_key, mode) -> its records, as measured
     for r in data["records"]:
         groups[r["sweep"], r["case_key"], r["mode"]].append(r)
+    if all(is_indexer(r["case"]) for r in data["records"]):  # a sweep may be run in pieces: by size
+        sweeps_seen = list(dict.fromkeys(r["sweep"] for r in data["records"]))
+        order = lambda item: (
+            sweeps_seen.index(item[0][0]),
+            size_order(item[1][0]["case"]),
+            item[0][2] != "fwd",
+        )
+        groups = dict(sorted(groups.items(), key=order))
     rows = []
     for (sweep, _, mode), recs in groups.items():
         fastest = {}  # kind -> its fastest record (the first measured of equals)
@@ -241,6 +254,8 @@ def markdown(data: dict) -> str:
         for mode, title in (INDEXER_MODE_TITLE if indexer else MODE_TITLE).items():
             copy = sweep == "decode" and mode == "fwd"  # memory-bound: against the copy bandwidth
             here = [r for r in measured if (r["sweep"], r["mode"]) == (sweep, mode)]
+            if indexer:  # a sweep may be run in pieces (indexer_bench.py --sweep dense:16k,dense:4k): by size
+                here.sort(key=lambda r: size_order(r["case"]))
             if rows := [_sweep_row(data, r, copy) for r in here]:
                 parts.append(f"### {title}\n\n" + table(header + ["% of copy"] * copy, rows))
     if not_run := collections.Counter((r["provider"], r["reason"]) for r in records if r["status"] == "n/a"):

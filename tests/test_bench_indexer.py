@@ -184,7 +184,7 @@ def test_unsupported_is_recorded_not_an_error(tmp_path):
 
     provs = [Provider("fake", "streamkl", "refuses", refuse, refuse), PROVIDERS["megatron-eager"]]
     run = {
-        "environment": {},
+        "environment": bench.environment(torch.device("cpu"), ["test"], commit="0" * 40),
         "config": {"providers": {p.name: p.what for p in provs}, "sweeps": {"dense": ""}},
     }
     runner = bench.Runner(
@@ -196,12 +196,16 @@ def test_unsupported_is_recorded_not_an_error(tmp_path):
         str,
         op=indexer_bench.op(),
     )
-    data = runner.run([bench.Sweep("dense", "", [_case(n=16, dtype="bfloat16")])])
-    got = {(r["provider"], r["mode"]): r for r in data["records"]}
-    assert all(got["fake", m]["status"] == "n/a" for m in ("fwd", "train"))
-    assert got["fake", "fwd"]["reason"] == "backend not available: it does not implement indexer_kl"
-    assert all(got["megatron-eager", m]["status"] == "ok" for m in ("fwd", "train"))
+    pieces = [bench.Sweep("dense", "", [_case(n=n, dtype="bfloat16")]) for n in (24, 16)]  # run 24 first
+    data = runner.run(pieces)
+    got = {(r["provider"], r["case"]["nq"], r["mode"]): r for r in data["records"]}
+    assert all(got["fake", n, m]["status"] == "n/a" for n in (16, 24) for m in ("fwd", "train"))
+    assert got["fake", 16, "fwd"]["reason"] == "backend not available: it does not implement indexer_kl"
+    assert all(got["megatron-eager", n, m]["status"] == "ok" for n in (16, 24) for m in ("fwd", "train"))
     assert {r["op"] for r in data["records"]} == {"indexer_kl"}
+    # a sweep run in pieces is reported by size
+    md = report.markdown(data)
+    assert md.index("| 16 causal bf16 | megatron-eager |") < md.index("| 24 causal bf16 | megatron-eager |")
 
 
 def test_check_beyond_the_whole_case_budget_names_what_it_left_out():
@@ -239,7 +243,13 @@ def test_cli_defaults_are_deepseek_v32():
     args.dtype = "bfloat16"
     cases = indexer_bench.build_sweeps(["dense"], args)[0].cases
     assert [(c.causal, c.lse) for c in cases] == [(True, "computed"), (False, "computed")]
-    for bad in (["--sweep", "nonsense"], ["--kv-heads", "3"], ["--providers", "nobody", "--smoke"]):
+    # a sweep's own sizes, in the order run; a sweep split in pieces to put what matters first
+    names = indexer_bench.parse_sweeps("dense:16k+4k,sparse:64k,dense:8k")
+    args = indexer_bench.parser().parse_args(["--dtype", "bfloat16"])
+    pieces = [(s.name, [c.nq // 1024 for c in s.cases]) for s in indexer_bench.build_sweeps(names, args)]
+    assert pieces == [("dense", [16, 4]), ("sparse", [64]), ("dense", [8])]
+    bad_sweeps = (["--sweep", "nonsense"], ["--sweep", "dense:4q"], ["--sweep", "n:4k"])
+    for bad in (*bad_sweeps, ["--kv-heads", "3"], ["--providers", "nobody", "--smoke"]):
         with pytest.raises(SystemExit):
             indexer_bench.main(bad)
 
