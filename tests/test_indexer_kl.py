@@ -1,7 +1,13 @@
 """streamkl.indexer_kl (docs/indexer.md): the oracle against Megatron's formula, the reference
 backend against the oracle by the rule of tests/tolerance.py (dense and sparse, causal and not,
 MQA/GQA/MHA teachers, lse given or computed, packed sequences, float64/float32/bfloat16),
-gradcheck, properties, the op's registration (opcheck, torch.compile) and its named errors."""
+gradcheck, properties, the op's registration (opcheck, torch.compile) and its named errors.
+
+The behaviour every backend shares (packed sequences, rows that see no key, empty problems,
+reductions and the fused training step, extreme logits, repeated indices, the protocol's
+contract) runs on each `target`: the reference on CPU, triton under its interpreter on CPU in
+float32 (tests/conftest.py sets TRITON_INTERPRET=1 without a GPU), and both on CUDA with the
+`gpu` marker. tests/test_triton_indexer.py holds triton's own grid."""
 
 from __future__ import annotations
 
@@ -32,28 +38,58 @@ from .indexer_oracle import (
     megatron_indexer_kl,
     random_topk,
 )
+from .tolerance import FLOOR, RATIO, _with_rms
 
 PROPERTY = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 TEACHERS = {"mqa": 1, "gqa": 2, "mha": 4}  # key heads of a 4-head teacher
 
 
-def _run(inputs, needs=(True, True, True), grad=None, **call):
+def _targets():
+    """(backend, device) pairs that run indexer_kl here, probed through the backends' supports:
+    triton on CPU only under the interpreter (float32), anything on CUDA with the gpu marker."""
+    out = []
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    for device, name in itertools.product(devices, _dispatch.BACKENDS):
+        q, k, qi, ki, w = make_indexer_inputs(h=2, nq=4, nk=4, device=device)
+        spec = _checks.indexer_kl_spec(q, k, qi, ki, w, lse=None, topk=None, causal=True, scale=None)
+        if _dispatch.why_not(name, "indexer_kl", spec, IndexerKLInputs(q, k, qi, ki, w)) is None:
+            marks = [pytest.mark.gpu] if device == "cuda" else []
+            out.append(pytest.param((name, device), id=f"{name}-{device}", marks=marks))
+    return out
+
+
+@pytest.fixture(params=_targets())
+def target(request):
+    return request.param
+
+
+def _on(target, inputs):
+    """Inputs on the target's device; float64 as float32 where the backend does not run it."""
+    name, device = target
+    narrow = name != "reference"
+    return tuple(
+        t.to(device=device, dtype=torch.float32 if narrow and t.dtype == torch.float64 else t.dtype)
+        for t in inputs
+    )
+
+
+def _run(inputs, needs=(True, True, True), grad=None, backend="reference", **call):
     """KL per row through the public op and the requested student gradients."""
     q, k, qi, ki, w = inputs
     leaves = [t.detach().requires_grad_(need) for t, need in zip((qi, ki, w), needs)]
-    kl = streamkl.indexer_kl(q, k, *leaves, reduction="none", backend="reference", **call)
+    kl = streamkl.indexer_kl(q, k, *leaves, reduction="none", backend=backend, **call)
     assert kl.is_contiguous() and kl.shape == (q.shape[0], q.shape[2])
     if not any(needs):
         return kl, (None,) * 3
     g = grad if grad is not None else torch.randn(kl.shape, generator=torch.Generator().manual_seed(7))
     wanted = [t for t, need in zip(leaves, needs) if need]
-    got = iter(torch.autograd.grad(kl, wanted, g.to(kl.dtype)))
+    got = iter(torch.autograd.grad(kl, wanted, g.to(device=kl.device, dtype=kl.dtype)))
     return kl, tuple(next(got) if need else None for need in needs)
 
 
-def _check(inputs, needs=(True, True, True), **call):
-    kl, grads = _run(inputs, needs, **call)
+def _check(inputs, needs=(True, True, True), backend="reference", **call):
+    kl, grads = _run(inputs, needs, backend=backend, **call)
     g = torch.randn(kl.shape, generator=torch.Generator().manual_seed(7)).to(kl.dtype).double()
     expected = Expected(inputs, grad=g, **call)
     expected.check_kl(kl)
@@ -63,9 +99,36 @@ def _check(inputs, needs=(True, True, True), **call):
 
 def _given_lse(inputs, dtype, **call):
     """The teacher's per-head LSE over the admitted keys, as an attention forward returns it."""
-    q, k, qi, ki, w = (t.detach() for t in inputs)
+    q, k, qi, ki, w = (t.detach().cpu() for t in inputs)
+    call = {key: v.cpu() if isinstance(v, torch.Tensor) else v for key, v in call.items()}
     lse = dense_indexer_kl(q, k, qi, ki, w, **call)[1]
-    return lse.to(torch.float64 if dtype == torch.float64 else torch.float32)
+    return lse.to(device=inputs[0].device, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+
+
+def _check_step(inputs, reduction, backend, **call):
+    """The fused training step (reduction "sum"/"mean" with gradients needed) through the public
+    op against the oracle: the loss, and the gradients of the loss by the rule (the oracle's with
+    every row's upstream gradient 1, or 1 / the rows that see a key)."""
+    q, k, qi, ki, w = inputs
+    leaves = [t.detach().requires_grad_() for t in (qi, ki, w)]
+    loss = streamkl.indexer_kl(q, k, *leaves, reduction=reduction, backend=backend, **call)
+    grads = torch.autograd.grad(loss, leaves)
+    b, nq = q.shape[0], q.shape[2]
+    seen = admitted_mask(b, nq, k.shape[2], call.get("causal", True), _cpu(call.get("topk")),
+                         _cpu(call.get("cu_seqlens"))).any(-1)  # fmt: skip
+    weight = 1.0 if reduction == "sum" else 1.0 / max(int(seen.sum()), 1)
+    expected = Expected(inputs, grad=torch.full((b, nq), weight, dtype=torch.float64), **call)
+    # the loss is a sum of rows: its bar is the sum of the rows' bars
+    row_bars = RATIO * _with_rms(expected.dense_kl_err)
+    row_bars = row_bars + FLOOR * expected.eps * (1.0 + expected.magnitude) * expected.spread
+    err = abs(loss.item() - expected.kl.sum().item() * weight)
+    assert err <= row_bars.sum().item() * weight + 1e-12, (err, row_bars.sum().item() * weight)
+    expected.check_grads(grads, inputs)
+    return loss, grads
+
+
+def _cpu(t):
+    return None if t is None else t.cpu()
 
 
 # --- the oracle -------------------------------------------------------------------------------
@@ -129,25 +192,32 @@ def test_the_rule_scales_a_real_dense_error():
 
 @pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_packed_sequences(causal, sparse):
+def test_packed_sequences(target, causal, sparse):
     """A row sees only its own sequence's keys (empty and one-token sequences included); topk
     holds positions on the packed axis, and entries in another sequence are not admitted."""
-    cu = torch.tensor([0, 5, 5, 12, 13, 20], dtype=torch.int32)
-    inputs = make_indexer_inputs(b=1, h=4, hk=2, nq=20, nk=20, dtype=torch.float32, layout="bnhd", seed=5)
-    topk = random_topk(1, 20, 20, 8, seed=6) if sparse else None
+    device = target[1]
+    cu = torch.tensor([0, 5, 5, 12, 13, 20], dtype=torch.int32, device=device)
+    inputs = make_indexer_inputs(b=1, h=4, hk=2, nq=20, nk=20, dtype=torch.float32, layout="bnhd", seed=5,
+                                 device=device)  # fmt: skip
+    topk = random_topk(1, 20, 20, 8, seed=6).to(device) if sparse else None
     for max_seqlen in (None, 9):
-        _check(inputs, causal=causal, topk=topk, cu_seqlens=cu, max_seqlen=max_seqlen)
+        _check(inputs, backend=target[0], causal=causal, topk=topk, cu_seqlens=cu, max_seqlen=max_seqlen)
 
 
-def test_backend_functions_keep_their_contract():
+def test_backend_functions_keep_their_contract(target):
     """The module is the protocol (streamkl/_backend.py): (kl, lse, lse2, mass) float32, fresh and
     contiguous, against the oracle's statistics; rows that see no key: kl 0, lse2 -inf, mass 0;
-    unneeded gradients None, needed ones in their input's shape and dtype, contiguous."""
-    impl = _dispatch.implementation("reference", "indexer_kl")
-    assert impl is reference and impl.op == "indexer_kl" and impl.backward_backend is None
-    q, k, qi, ki, w = inputs = make_indexer_inputs(b=2, h=4, hk=1, nq=10, nk=6, dtype=torch.bfloat16,
+    unneeded gradients None, needed ones in their input's shape and dtype, contiguous;
+    forward_with_grads: the same statistics, and the gradients of the sum of the rows (dki in
+    float32)."""
+    name, device = target
+    impl = _dispatch.implementation(name, "indexer_kl")
+    assert impl.op == "indexer_kl" and impl.backward_backend is None
+    assert name != "reference" or impl is reference
+    dtype = torch.float32 if name == "triton" and device == "cpu" else torch.bfloat16
+    q, k, qi, ki, w = inputs = make_indexer_inputs(b=2, h=4, hk=1, nq=10, nk=6, dtype=dtype, device=device,
                                                    w_dtype=torch.float32, layout="bnhd")  # fmt: skip
-    topk = random_topk(2, 10, 6, 4, seed=1)
+    topk = random_topk(2, 10, 6, 4, seed=1).to(device)
     for lse in (None, _given_lse(inputs, torch.bfloat16, topk=topk)):
         spec = _checks.indexer_kl_spec(q, k, qi, ki, w, lse=lse, topk=topk, causal=True, scale=0.25)
         call_inputs = IndexerKLInputs(q, k, qi, ki, w, lse, topk)
@@ -158,51 +228,69 @@ def test_backend_functions_keep_their_contract():
             assert all(t.untyped_storage().data_ptr() != x.untyped_storage().data_ptr() for x in inputs)
         assert (stats.kl[:, :4] == 0).all() and torch.isneginf(stats.lse2[:, :4]).all()
         Expected(inputs, lse=lse, topk=topk, causal=True, scale=0.25).check_stats(stats)
-        grads = impl.backward(spec.with_needs((False, True, True)), call_inputs, stats, torch.ones(2, 10))
+        needs = spec.with_needs((False, True, True))
+        grads = impl.backward(needs, call_inputs, stats, torch.ones(2, 10, device=device))
         assert grads[0] is None
         for got, t in zip(grads[1:], (ki, w)):
             assert got.shape == t.shape and got.dtype == t.dtype and got.is_contiguous()
+        fused_stats, fused = impl.forward_with_grads(needs, call_inputs)
+        for a, b in zip(fused_stats, stats):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        assert fused.dqi is None and fused.dki.dtype == torch.float32 and fused.dw.dtype == w.dtype
+        torch.testing.assert_close(fused.dki.to(ki.dtype), grads.dki, rtol=2e-2, atol=1e-3)
+        torch.testing.assert_close(fused.dw, grads.dw, rtol=2e-2, atol=1e-3)
 
 
-def test_rows_that_see_no_key():
+def test_rows_that_see_no_key(target):
     """Causal with Sq > Sk (the first rows see nothing), a row whose topk is all padding, and a
     row whose topk holds only keys the causal mask hides: exactly 0, zero gradient rows, no NaN;
-    mean divides by the rows that see a key."""
-    q, k, qi, ki, w = inputs = make_indexer_inputs(b=1, h=2, nq=9, nk=6, dtype=torch.float32, seed=2)
+    mean divides by the rows that see a key, and so does the fused step's gradient."""
+    name, device = target
+    q, k, qi, ki, w = inputs = make_indexer_inputs(b=1, h=2, nq=9, nk=6, dtype=torch.float32, seed=2,
+                                                   device=device)  # fmt: skip
     topk = random_topk(1, 9, 6, 3, seed=2, pad=0.0)
     topk[0, 5] = -1  # row 5 sees keys 0..2, but its set is empty
     topk[0, 6] = torch.tensor([4, 5, -1])  # row 6 sees keys 0..3: its set is hidden
     for sparse in (False, True):
-        call = dict(causal=True, topk=topk if sparse else None)
-        kl, (dqi, dki, dw) = _check(inputs, **call)
-        empty = ~admitted_mask(1, 9, 6, True, call["topk"]).any(-1)[0]
+        call = dict(causal=True, topk=topk.to(device) if sparse else None)
+        kl, (dqi, dki, dw) = _check(inputs, backend=name, **call)
+        empty = ~admitted_mask(1, 9, 6, True, topk if sparse else None).any(-1)[0].to(device)
         assert empty[:3].all() and empty[5:7].all() == sparse and not empty[7:].any()
         assert (kl[0, empty] == 0).all() and (kl[0, ~empty] >= 0).all()
         assert (dqi[0, :, empty] == 0).all() and (dw[0, :, empty] == 0).all()
-        mean = streamkl.indexer_kl(q, k, qi, ki, w, **call)
+        mean, (dqi, _, dw) = _check_step(inputs, "mean", name, **call)
         torch.testing.assert_close(mean, kl.sum() / (~empty).sum())
+        assert (dqi[0, :, empty] == 0).all() and (dw[0, :, empty] == 0).all()
 
 
 @pytest.mark.parametrize("shape", [(0, 5, 4), (1, 0, 4), (1, 5, 0)], ids=["B=0", "Sq=0", "Sk=0"])
-def test_empty_problems(shape):
-    """B = 0 or Sq = 0: empty results; Sk = 0: every row sees nothing (KL 0, zero gradients)."""
+def test_empty_problems(target, shape):
+    """B = 0 or Sq = 0: empty results; Sk = 0: every row sees nothing (KL 0, zero gradients), in
+    the recompute backward and in the fused step."""
+    name, device = target
     b, nq, nk = shape
-    inputs = make_indexer_inputs(b=b, h=2, nq=nq, nk=nk, dtype=torch.float32)
-    for topk in (None, random_topk(b, nq, nk, 3, seed=0)):
-        kl, grads = _run(inputs, causal=False, topk=topk)
+    inputs = make_indexer_inputs(b=b, h=2, nq=nq, nk=nk, dtype=torch.float32, device=device)
+    for topk in (None, random_topk(b, nq, nk, 3, seed=0).to(device)):
+        kl, grads = _run(inputs, causal=False, topk=topk, backend=name)
         assert kl.shape == (b, nq) and (kl == 0).all()
         for g, t in zip(grads, inputs[2:]):
             assert g.shape == t.shape and (g == 0).all()
-        assert streamkl.indexer_kl(*inputs, topk=topk).item() == 0.0
+        leaves = [t.detach().requires_grad_() for t in inputs[2:]]
+        loss = streamkl.indexer_kl(*inputs[:2], *leaves, topk=topk, backend=name)
+        assert loss.item() == 0.0
+        assert all(
+            g.shape == t.shape and (g == 0).all() for g, t in zip(torch.autograd.grad(loss, leaves), leaves)
+        )
 
 
 @pytest.mark.parametrize("reduction", ["sum", "mean"])
-def test_reductions(reduction):
-    """sum: over all rows; mean: over the rows that see a key. Their gradients are those of the
-    per-row KL weighted alike."""
-    q, k, qi, ki, w = make_indexer_inputs(b=2, h=2, nq=9, nk=6, seed=4, requires_grad=True)
-    rows = streamkl.indexer_kl(q, k, qi, ki, w, causal=True, reduction="none")
-    out = streamkl.indexer_kl(q, k, qi, ki, w, causal=True, reduction=reduction)
+def test_reductions(target, reduction):
+    """sum: over all rows; mean: over the rows that see a key. Their gradients (the fused step's)
+    are those of the per-row KL (the recompute backward's) weighted alike."""
+    name, device = target
+    q, k, qi, ki, w = make_indexer_inputs(b=2, h=2, nq=9, nk=6, seed=4, requires_grad=True, device=device)
+    rows = streamkl.indexer_kl(q, k, qi, ki, w, causal=True, reduction="none", backend=name)
+    out = streamkl.indexer_kl(q, k, qi, ki, w, causal=True, reduction=reduction, backend=name)
     assert out.shape == () and out.dtype == rows.dtype
     seen = 2 * 6  # causal with Sq > Sk: 3 rows of each batch see nothing
     expected = rows.sum() if reduction == "sum" else rows.sum() / seen
@@ -211,11 +299,35 @@ def test_reductions(reduction):
         torch.testing.assert_close(got, want)
 
 
-def test_extreme_logits():
+def test_extreme_logits(target):
     """Teacher logits ~1e3 and index scores ~1e2: one-hot rows, nothing non-finite, within the rule."""
-    inputs = make_indexer_inputs(b=1, h=4, hk=1, nq=16, nk=20, dtype=torch.float32, seed=9, std=12.0)
-    _check(inputs, causal=True, topk=random_topk(1, 16, 20, 6, seed=9))
-    _check(inputs, causal=True, scale=1.0)
+    name, device = target
+    inputs = make_indexer_inputs(b=1, h=4, hk=1, nq=16, nk=20, dtype=torch.float32, seed=9, std=12.0,
+                                 device=device)  # fmt: skip
+    _check(inputs, backend=name, causal=True, topk=random_topk(1, 16, 20, 6, seed=9).to(device))
+    _check(inputs, backend=name, causal=True, scale=1.0)
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["dense-lse-computed", "sparse-lse-given", "dense-lse-over-other-keys", "sparse-dense-lse"],
+)
+def test_training_step_matches_the_oracle(target, case):
+    """The fused step (reduction "mean" with gradients): with the lse computed or given over the
+    admitted keys (T = 1), and with a given lse over other keys (T != 1: the dense LSE in sparse
+    mode, a shifted LSE), which the step corrects for."""
+    name, device = target
+    inputs = make_indexer_inputs(b=2, h=4, hk=2, g=3, nq=11, nk=13, d=12, di=6, seed=21, layout="bnhd",
+                                 device=device)  # fmt: skip
+    sparse = case.startswith("sparse")
+    call = dict(causal=True, topk=random_topk(2, 11, 13, 5, seed=21).to(device) if sparse else None)
+    if case == "sparse-lse-given":
+        call["lse"] = _given_lse(inputs, torch.float32, **call)
+    elif case == "dense-lse-over-other-keys":
+        call["lse"] = _given_lse(inputs, torch.float32, **call) + 0.3
+    elif case == "sparse-dense-lse":
+        call["lse"] = _given_lse(inputs, torch.float32, causal=True)
+    _check_step(inputs, "mean", name, **call)
 
 
 def test_mixed_dtypes():
@@ -246,6 +358,21 @@ def test_gradcheck_float64(sparse, lse):
     assert torch.autograd.gradcheck(loss, (qi, ki, w))
 
 
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_gradcheck_of_the_training_step(reduction):
+    """The fused step's gradients (formed in the forward, scaled in the backward) by gradcheck,
+    with a given lse that leaves T != 1."""
+    q, k, qi, ki, w = make_indexer_inputs(b=2, h=4, hk=2, g=2, nq=6, nk=7, d=5, di=4, dtype=torch.float64,
+                                          seed=17, requires_grad=True)  # fmt: skip
+    call = dict(causal=True, topk=random_topk(2, 6, 7, 4, seed=17))
+    call["lse"] = _given_lse((q, k, qi, ki, w), torch.float64, **call) - 0.2
+
+    def loss(a, b, c):
+        return streamkl.indexer_kl(q, k, a, b, c, reduction=reduction, **call)
+
+    assert torch.autograd.gradcheck(loss, (qi, ki, w))
+
+
 def test_the_teacher_gets_no_gradient():
     q, k, qi, ki, w = make_indexer_inputs(h=2, nq=5, nk=5, requires_grad=True)
     q.requires_grad_(), k.requires_grad_()
@@ -272,13 +399,16 @@ def test_dense_lse_in_sparse_mode_weights_heads_by_their_mass():
     assert (got - renormalized).abs().max() > 1e-3
 
 
-def test_a_repeated_index_counts_once():
+def test_a_repeated_index_counts_once(target):
     """S_t is a set: repeating an index changes nothing."""
-    inputs = make_indexer_inputs(h=2, nq=6, nk=6, dtype=torch.float64, seed=8)
-    topk = random_topk(1, 6, 6, 3, seed=8, pad=0.0)
+    name, device = target
+    inputs = _on(target, make_indexer_inputs(h=2, nq=6, nk=6, dtype=torch.float64, seed=8))
+    topk = random_topk(1, 6, 6, 3, seed=8, pad=0.0).to(device)
     repeated = torch.cat([topk, topk[..., :2]], -1)
-    once = streamkl.indexer_kl(*inputs, topk=topk, reduction="none")
-    torch.testing.assert_close(streamkl.indexer_kl(*inputs, topk=repeated, reduction="none"), once)
+    once = streamkl.indexer_kl(*inputs, topk=topk, reduction="none", backend=name)
+    torch.testing.assert_close(
+        streamkl.indexer_kl(*inputs, topk=repeated, reduction="none", backend=name), once
+    )
 
 
 def test_chunk_size_does_not_change_the_result(monkeypatch):
@@ -419,6 +549,9 @@ def test_opcheck():
             bwd = (torch.randn_like(kl), *plain, sparse, kl, lse_h, lse2, mass, True, 0.3, lse_in is not None,
                    varlen, None, needs, "reference")  # fmt: skip
             torch.library.opcheck(torch.ops.streamkl.indexer_kl_bwd.default, bwd)
+    for reduction, needs in (("sum", [True, True, True]), ("mean", [True, False, True])):
+        step = (q, k, qi, ki, w, lse, topk, True, 0.3, None, None, reduction, needs, "reference")
+        torch.library.opcheck(torch.ops.streamkl.indexer_kl_step.default, step)
 
 
 class Indexer(torch.nn.Module):
@@ -462,23 +595,26 @@ def test_compile_fullgraph_matches_eager(reduction, varlen):
         torch.testing.assert_close(g_c, g_e)
 
 
-def test_auto_runs_the_reference_and_backends_without_the_op_say_so(monkeypatch):
-    """Only the reference implements indexer_kl: auto takes it on every device (first_for_auto
-    passes by backends without the op), and naming another backend raises saying why."""
+def test_auto_takes_triton_where_it_runs_and_backends_without_the_op_say_so(monkeypatch):
+    """reference and triton implement indexer_kl: auto takes the reference for CPU tensors and
+    first_for_auto passes by backends without the op (cuda) to triton where it runs the call
+    (CUDA, or here its interpreter), else the reference; naming cuda raises saying why, and
+    triton says why it cannot run float64."""
     q, k, qi, ki, w = inputs = make_indexer_inputs(h=2, nq=5, nk=5)
     spec = _checks.indexer_kl_spec(q, k, qi, ki, w, lse=None, topk=None, causal=True, scale=None)
     call = IndexerKLInputs(*inputs)
-    assert _dispatch.first_for_auto("indexer_kl", spec, call) is reference
     assert _dispatch.select("indexer_kl", spec, call, "auto") is reference
     reasons = _dispatch.available("indexer_kl", spec, call)
-    assert reasons["reference"] is None
-    for name in set(_dispatch.BACKENDS) - {"reference"}:
-        assert reasons[name] == "it does not implement indexer_kl"
-        with pytest.raises(
-            ValueError, match=f"backend '{name}' cannot run these inputs: it does not implement"
-        ):
-            streamkl.indexer_kl(*inputs, backend=name)
-    monkeypatch.setenv("STREAMKL_BACKEND", "triton")
+    assert reasons["reference"] is None and reasons["cuda"] == "it does not implement indexer_kl"
+    triton_impl = _dispatch.implementation("triton", "indexer_kl")
+    picked = _dispatch.first_for_auto("indexer_kl", spec, call)
+    assert picked is (triton_impl if reasons["triton"] is None else reference)
+    with pytest.raises(ValueError, match="backend 'cuda' cannot run these inputs: it does not implement"):
+        streamkl.indexer_kl(*inputs, backend="cuda")
+    wide = make_indexer_inputs(h=2, nq=5, nk=5, dtype=torch.float64)
+    with pytest.raises(ValueError, match="backend 'triton' cannot run these inputs: .*float64"):
+        streamkl.indexer_kl(*wide, backend="triton")
+    monkeypatch.setenv("STREAMKL_BACKEND", "cuda")
     with pytest.raises(ValueError, match="does not implement indexer_kl"):
         streamkl.indexer_kl(*inputs)
 
@@ -613,14 +749,18 @@ def test_the_registered_op_validates_values_too(no_backend_runs):
         torch.ops.streamkl.indexer_kl(q, k, qi, ki, w, topk=bad)
 
 
-def test_a_given_lse_that_leaves_no_target_mass():
+def test_a_given_lse_that_leaves_no_target_mass(target):
     """A given lse far above the true one makes p underflow to 0 on its rows: no target, so KL 0
-    and a zero gradient there (the oracle's value), never NaN; the other rows are untouched."""
-    inputs = make_indexer_inputs(b=1, h=2, nq=6, nk=6, dtype=torch.float64, seed=5)
-    lse = _given_lse(inputs, torch.float64, causal=True)
+    and a zero gradient there (the oracle's value), never NaN; the other rows are untouched. The
+    fused step, which assumed T = 1 there, corrects those rows."""
+    name, device = target
+    inputs = _on(target, make_indexer_inputs(b=1, h=2, nq=6, nk=6, dtype=torch.float64, seed=5))
+    lse = _given_lse(inputs, inputs[0].dtype, causal=True)
     lse[:, :, 2] += 1000.0
-    kl, (dqi, dki, dw) = _check(inputs, causal=True, lse=lse)
+    kl, (dqi, dki, dw) = _check(inputs, backend=name, causal=True, lse=lse)
     assert kl[0, 2] == 0 and (dqi[0, :, 2] == 0).all() and (dw[0, :, 2] == 0).all()
+    _, (dqi, _, dw) = _check_step(inputs, "sum", name, causal=True, lse=lse)
+    assert (dqi[0, :, 2] == 0).all() and (dw[0, :, 2] == 0).all()
 
 
 def test_the_example_trains_an_indexer():

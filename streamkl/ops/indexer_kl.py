@@ -1,10 +1,18 @@
 """indexer_kl, the op: torch.library registration (schemas, fakes, autograd) and the eager fast path.
 
-    streamkl::indexer_kl_fwd -> (kl, lse, lse2, mass)  the forward (differentiable in kl)
-    streamkl::indexer_kl_bwd -> (dqi, dki, dw)         recompute backward; an unneeded gradient
-                                                       comes back as an empty tensor
-    streamkl::indexer_kl     the public op: forward + reduction (CompositeImplicitAutograd, so a
-                             compiled graph holds the two ops above and the reduction)
+    streamkl::indexer_kl_fwd  -> (kl, lse, lse2, mass)  the forward (differentiable in kl)
+    streamkl::indexer_kl_bwd  -> (dqi, dki, dw)         recompute backward; an unneeded gradient
+                                                        comes back as an empty tensor
+    streamkl::indexer_kl_step -> (loss, factor, dqi, dki, dw)
+                              the training step of a reduced loss ("sum"/"mean" with a gradient
+                              needed): the backend's forward_with_grads, gradients formed while
+                              the teacher streams (docs/indexer.md, "One teacher pass per
+                              training step"); differentiable in loss, its backward
+                              (streamkl::indexer_kl_step_bwd) only scales them by the upstream
+                              gradient times factor (1, or 1 / the rows that see a key)
+    streamkl::indexer_kl      the public op: the step, or forward + reduction
+                              (CompositeImplicitAutograd, so a compiled graph holds the ops above
+                              and the reduction)
 
 As streamkl/ops/attn_kl.py: every path builds the call's spec once
 (streamkl._checks.indexer_kl_spec) and hands (spec, inputs) to the backend; an eager call with
@@ -61,6 +69,29 @@ def _reduce(kl: Tensor, reduction: str, lse2: Tensor) -> Tensor:
         return kl
     total = kl.sum()
     return total if reduction == "sum" else total / _seen_rows(lse2)
+
+
+def _step(impl, spec: IndexerKLSpec, inputs: IndexerKLInputs, reduction: str):
+    """(loss, factor, (dqi, dki, dw)): the reduced loss, the factor from gradients of the sum to
+    the loss's (1, or 1 / the rows that see a key) and the backend's gradients of the sum."""
+    with on_device(inputs.q):
+        stats, grads = impl.forward_with_grads(spec, inputs)
+    total = stats.kl.sum()
+    dtype = _out_dtype(inputs.q, inputs.qi, inputs.w)
+    if reduction == "sum":
+        factor = torch.ones((), dtype=total.dtype, device=total.device)
+    else:
+        factor = _seen_rows(stats.lse2).reciprocal_()
+    return (total * factor).to(dtype), factor.to(dtype), grads
+
+
+def _scaled(grads, scale: Tensor, students) -> list:
+    """Each gradient of the sum times `scale` (the upstream gradient times the factor), in its
+    input's dtype, contiguous; None stays None."""
+    return [
+        None if d is None else (d * scale.to(torch.promote_types(d.dtype, torch.float32))).to(t.dtype)
+        for d, t in zip(grads, students)
+    ]
 
 
 # --- the registered ops (torch.compile, torch.export, opcheck) ----------------------------------
@@ -165,6 +196,76 @@ indexer_kl_fwd.register_autograd(_op_backward, setup_context=_setup_context)
 indexer_kl_bwd.register_autograd(_refuse_double_backward, setup_context=lambda ctx, inputs, output: None)
 
 
+@torch.library.custom_op("streamkl::indexer_kl_step", mutates_args=())
+def indexer_kl_step(
+    q: Tensor,
+    k: Tensor,
+    qi: Tensor,
+    ki: Tensor,
+    w: Tensor,
+    lse: Tensor | None,
+    topk: Tensor | None,
+    causal: bool,
+    scale: float,
+    cu_seqlens: Tensor | None,
+    max_seqlen: int | None,
+    reduction: str,
+    needs: list[bool],
+    backend: str | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    call = dict(lse=lse, topk=topk, causal=causal, scale=scale, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+    spec = _checks.indexer_kl_spec(q, k, qi, ki, w, **call).with_needs(needs)
+    _env.check_all()
+    inputs = IndexerKLInputs(q, k, qi, ki, w, lse, topk, cu_seqlens)
+    loss, factor, grads = _step(_dispatch.select(OP, spec, inputs, backend), spec, inputs, reduction)
+    return loss, factor, *(g if g is not None else t.new_empty(0) for g, t in zip(grads, (qi, ki, w)))
+
+
+@indexer_kl_step.register_fake
+def _(q, k, qi, ki, w, lse, topk, causal, scale, cu_seqlens, max_seqlen, reduction, needs, backend=None):
+    call = dict(lse=lse, topk=topk, causal=causal, scale=scale, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+    _checks.indexer_kl_spec(q, k, qi, ki, w, **call, read_values=False)
+    dtype = _out_dtype(q, qi, w)
+    loss = q.new_empty((), dtype=dtype)
+    dtypes = (qi.dtype, dtype, w.dtype)  # dki: a sum over rows, in the statistics' dtype
+    grads = (
+        t.new_empty(t.shape if need else (0,), dtype=d) for t, d, need in zip((qi, ki, w), dtypes, needs)
+    )
+    return loss, torch.empty_like(loss), *grads
+
+
+@torch.library.custom_op("streamkl::indexer_kl_step_bwd", mutates_args=())
+def indexer_kl_step_bwd(
+    grad_loss: Tensor, factor: Tensor, dqi: Tensor, dki: Tensor, dw: Tensor, qi: Tensor, ki: Tensor, w: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    # The step's gradients of the sum times grad_loss * factor, in the dtypes of qi, ki, w (read
+    # for their dtypes only); an empty (unneeded) one stays empty.
+    return tuple(_scaled((dqi, dki, dw), grad_loss * factor, (qi, ki, w)))
+
+
+@indexer_kl_step_bwd.register_fake
+def _(grad_loss, factor, dqi, dki, dw, qi, ki, w):
+    return tuple(d.new_empty(d.shape, dtype=t.dtype) for d, t in zip((dqi, dki, dw), (qi, ki, w)))
+
+
+def _setup_step(ctx, inputs, output):
+    qi, ki, w = inputs[2:5]
+    ctx.save_for_backward(*output[1:], qi, ki, w)
+    ctx.formed = tuple(inputs[12])  # the gradients the step formed (needs)
+    ctx.mark_non_differentiable(*output[1:])  # factor and the gradients are internal outputs
+
+
+def _step_backward(ctx, grad_loss, *_):
+    factor, dqi, dki, dw, qi, ki, w = ctx.saved_tensors
+    grads = indexer_kl_step_bwd(grad_loss, factor, dqi, dki, dw, qi, ki, w)
+    needs = [need and formed for need, formed in zip(ctx.needs_input_grad[2:5], ctx.formed)]
+    return (None, None, *(g if need else None for g, need in zip(grads, needs)), *(None,) * 9)
+
+
+indexer_kl_step.register_autograd(_step_backward, setup_context=_setup_step)
+indexer_kl_step_bwd.register_autograd(_refuse_double_backward, setup_context=lambda ctx, inputs, output: None)
+
+
 # --- the eager fast path --------------------------------------------------------------------
 
 
@@ -195,6 +296,27 @@ class _IndexerKL(torch.autograd.Function):
         return (None,) * 5 + (*tied, None, None, None)
 
 
+class _IndexerKLStep(torch.autograd.Function):
+    """indexer_kl_step without the dispatcher, for validated eager calls of a reduced loss that
+    needs a gradient: the backend forms the gradients of the sum in the forward; the backward
+    scales them."""
+
+    @staticmethod
+    def forward(ctx, impl, spec, reduction, q, k, qi, ki, w, lse, topk, cu_seqlens):
+        spec = spec.with_needs(ctx.needs_input_grad[5:8])
+        inputs = IndexerKLInputs(q, k, qi, ki, w, lse, topk, cu_seqlens)
+        loss, factor, grads = _step(impl, spec, inputs, reduction)
+        ctx.save_for_backward(factor, *grads, qi, ki, w)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad):
+        factor, dqi, dki, dw, qi, ki, w = ctx.saved_tensors
+        grads = _scaled((dqi, dki, dw), grad * factor, (qi, ki, w))
+        tied = once_differentiable(OP, tuple(grads), grad, qi, ki, w)
+        return (None,) * 5 + (*tied, None, None, None)
+
+
 def indexer_kl(
     q, k, qi, ki, w, *, lse=None, scale=None, causal=True, topk=None, cu_seqlens=None, max_seqlen=None,
     reduction="mean", backend=None,
@@ -210,11 +332,17 @@ def indexer_kl(
         inputs = IndexerKLInputs(q, k, qi, ki, w, lse, topk, cu_seqlens)
         impl = _dispatch.select(OP, spec, inputs, backend)
         if needs_grad(qi, ki, w):
+            if reduction != "none":  # every row's gradient is one scalar: the fused step
+                return _IndexerKLStep.apply(impl, spec, reduction, *inputs)
             return _IndexerKL.apply(impl, spec, reduction, *inputs)
         stats = _forward(impl, spec, inputs)  # nothing to differentiate
         return _reduce(stats.kl, reduction, stats.lse2)
     spec = _checks.indexer_kl_spec(q, k, qi, ki, w, **call, read_values=False)
     name = _dispatch.check_name(backend)
+    if reduction != "none" and needs_grad(qi, ki, w):
+        needs = [t.requires_grad for t in (qi, ki, w)]
+        options = (causal, spec.scale, cu_seqlens, max_seqlen, reduction, needs, name)
+        return indexer_kl_step(q, k, qi, ki, w, lse, topk, *options)[0]
     kl, _, lse2, _ = indexer_kl_fwd(
         q, k, qi, ki, w, lse, topk, causal, spec.scale, cu_seqlens, max_seqlen, name
     )

@@ -236,6 +236,17 @@ def _backward_rows(spec, inputs, seg, stats, grad, acc, dtype):
 
 
 def backward(spec: IndexerKLSpec, inputs: IndexerKLInputs, stats: IndexerKLStats, grad_kl) -> IndexerKLGrads:
+    return _gradients(spec, inputs, stats, grad_kl, cast_dki=True)
+
+
+def forward_with_grads(spec: IndexerKLSpec, inputs: IndexerKLInputs) -> tuple[IndexerKLStats, IndexerKLGrads]:
+    """forward, then the backward's gradients for a gradient of ones (no fused kernel here), dki
+    left in the compute dtype (streamkl/_backend.py)."""
+    stats = forward(spec, inputs)
+    return stats, _gradients(spec, inputs, stats, torch.ones_like(stats.kl), cast_dki=False)
+
+
+def _gradients(spec, inputs, stats, grad_kl, cast_dki: bool) -> IndexerKLGrads:
     dtype = _compute_dtype(inputs)
     students = (inputs.qi, inputs.ki, inputs.w)
     # dqi and dw rows are written once, in their input's dtype; dki sums over every chunk, so it
@@ -247,4 +258,7 @@ def backward(spec: IndexerKLSpec, inputs: IndexerKLInputs, stats: IndexerKLStats
     if spec.nk > 0 and stats.kl.numel() > 0 and any(spec.needs):
         for seg in _segments(spec, inputs.cu_seqlens):
             _backward_rows(spec, inputs, seg, stats, grad_kl, acc, dtype)
-    return IndexerKLGrads(*(None if a is None else a.to(t.dtype) for a, t in zip(acc, students)))
+    kept = (False, not cast_dki, False)  # dki may stay in the compute dtype
+    return IndexerKLGrads(
+        *(a if a is None or keep else a.to(t.dtype) for a, t, keep in zip(acc, students, kept))
+    )

@@ -121,7 +121,7 @@ def _indexer_main_kernel(
             pos = p > 0.0
             ratio += tl.sum(tl.where(pos, p * (tl.log(tl.where(pos, p, 1.0)) - log_q), 0.0), 1)
         if GRADS != 0:
-            q = tl.where(adm, tl.exp(log_q), 0.0)
+            q = tl.exp(tl.where(adm, log_q, float("-inf")))
             d_scores = stack(coef_a[:, None] * q - coef_b[:, None] * p, GP, BM, BN)
             if NEED_DW:
                 dw += tl.sum(d_scores * tl.maximum(zs, 0.0), 1)

@@ -132,6 +132,6 @@ def teacher_mixture(
         )  # fmt: skip
         lse = tl.load(LSE_B + h.to(tl.int64) * NQ + rows, mask=head_ok & row_ok, other=float("-inf"))
         L = tl.where(lse > float("-inf"), lse * LOG2E, float("inf"))
-        e = tl.where(adm & head_ok[:, None], tl.math.exp2(s * c_log2 - L[:, None]), 0.0)
+        e = tl.math.exp2(tl.where(adm & head_ok[:, None], s * c_log2 - L[:, None], float("-inf")))
         p += unstack_sum(e, HB, BM, BN)
     return p * inv_h
