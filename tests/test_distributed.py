@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import datetime
+import itertools
 import math
 import os
 import queue as queue_module
@@ -252,6 +253,194 @@ def case_compiled(rank, world, *, comm, compiler):
         _assert_close(g, t.grad, RTOL_FLOAT64, "compiled grad")
 
 
+def _documents(world, per_doc_chunks=(1, 3, 2)) -> torch.Tensor:
+    """Offsets of documents of 2P, 6P and 4P tokens: every one splits per-document zigzag."""
+    lengths = [2 * world * c for c in per_doc_chunks]
+    return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+
+
+def _packed_problem(n, *, seed, dtype=torch.float64, strides="bhnd"):
+    inputs = make_inputs(
+        b=1, h=4, nq=n, nk=n, d1=8, d2=6, hk1=4, hk2=2, dtype=dtype, seed=seed, layout=strides
+    )
+    upstream = torch.randn(1, 4, n, generator=torch.Generator().manual_seed(seed + 1), dtype=torch.float64)
+    return inputs, upstream
+
+
+def _single_packed(inputs, upstream, causal, cu_seqlens):
+    leaves = [t.detach().clone().requires_grad_() for t in inputs]
+    out = streamkl.attn_kl(*leaves, causal=causal, cu_seqlens=cu_seqlens, backend="reference")
+    return out.detach(), torch.autograd.grad(out, leaves, upstream.to(out.dtype))
+
+
+def _check_positions_call(
+    group, inputs, upstream, positions_by_rank, *, causal, comm, cu_seqlens, layout=None, pass_positions=True,
+    heads_per_step=None, what="",
+):  # fmt: skip
+    """attn_kl on this rank's tokens at positions_by_rank[rank] (any layout, any lengths) against
+    the single-process (packed) op: the local rows' KL and all four gradients, at 1e-7 relative."""
+    rank = dist.get_rank(group)
+    mine = positions_by_rank[rank]
+    index = torch.tensor(mine, dtype=torch.int64)
+    want, want_grads = _single_packed(inputs, upstream, causal, cu_seqlens)
+    local = [t.detach().index_select(2, index).requires_grad_() for t in inputs]
+    got = cp.attn_kl(
+        *local,
+        group=group,
+        causal=causal,
+        layout=layout,
+        positions=index if pass_positions else None,
+        cu_seqlens=cu_seqlens,
+        comm=comm,
+        heads_per_step=heads_per_step,
+        backend="reference",
+    )
+    got.backward(upstream.index_select(2, index).to(got.dtype))
+    _assert_close(got, want.index_select(2, index), RTOL_FLOAT64, f"kl {what}")
+    for name, t, want_grad in zip(("dq1", "dk1", "dq2", "dk2"), local, want_grads):
+        _assert_close(t.grad, want_grad.index_select(2, index), RTOL_FLOAT64, f"{name} {what}")
+
+
+def case_framework_layouts(rank, world, *, comm):
+    """Every framework's cut (shard_and_positions) with and without documents, causal and not,
+    through positions= and, for the named layouts, through layout= alone: equal to the
+    single-process op (packed where documents are given)."""
+    cu = _documents(world)
+    n = int(cu[-1])
+    inputs, upstream = _packed_problem(n, seed=20)
+    k = 0
+    for layout in ("contiguous", "zigzag", "zigzag-per-document", "ptrr"):
+        for causal in (True, False):
+            for docs in (None, cu):
+                if layout == "zigzag-per-document" and docs is None:
+                    continue
+                _, positions = cp.shard_and_positions(
+                    inputs[0], layout, cu_seqlens=cu, block_size=2, causal=causal
+                )
+                every = [None] * world
+                dist.all_gather_object(every, positions.tolist())
+                named = layout != "ptrr" and k % 2 == 0
+                _check_positions_call(
+                    None, inputs, upstream, every, causal=causal, comm=comm, cu_seqlens=docs,
+                    layout=layout if named else None, pass_positions=not named or k % 4 == 0,
+                    heads_per_step=2 if k % 3 == 0 else None, what=f"{layout} {causal=} {k=}",
+                )  # fmt: skip
+                k += 1
+
+
+def case_unequal_shards(rank, world, *, comm, causal):
+    """Shards of different lengths, one of them empty: a random permutation cut unevenly, and the
+    contiguous cut of a length P does not divide (torch.chunk's, PyTorch's fallback)."""
+    gen = torch.Generator().manual_seed(30 + world)
+    lengths = [5, 0, 9, 3][:world]
+    lengths[-1] += 2
+    n = sum(lengths)
+    perm = torch.randperm(n, generator=gen).tolist()
+    starts = list(itertools.accumulate([0, *lengths]))
+    every = [perm[starts[r] : starts[r + 1]] for r in range(world)]
+    cu = torch.tensor([0, 4, 4, n - 3, n], dtype=torch.int32)
+    inputs, upstream = _packed_problem(n, seed=31, strides="bnhd")
+    for docs in (None, cu):
+        _check_positions_call(
+            None, inputs, upstream, every, causal=causal, comm=comm, cu_seqlens=docs, what="permutation"
+        )
+    n = 4 * world + 1
+    inputs, upstream = _packed_problem(n, seed=32)
+    size = -(-n // world)
+    every = [list(range(min(r * size, n), min((r + 1) * size, n))) for r in range(world)]
+    _check_positions_call(
+        None, inputs, upstream, every, causal=causal, comm=comm, cu_seqlens=None, layout="contiguous",
+        pass_positions=False, what="contiguous, uneven",
+    )  # fmt: skip
+    # shard/unshard round trip of the uneven cut
+    x = torch.arange(2 * n, dtype=torch.float32).reshape(1, 2, n)
+    local, positions = cp.shard_and_positions(x, "contiguous")
+    assert positions.tolist() == every[rank]
+    assert torch.equal(cp.unshard(local, "contiguous"), x)
+    assert torch.equal(cp.unshard(local, positions=positions), x)
+
+
+def case_device_mesh(rank, world, *, comm):
+    """group= as a 1-D DeviceMesh, and as (mesh, "cp") of a 2-D mesh (two sequences on 4 ranks)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    meshes = [(init_device_mesh("cpu", (world,), mesh_dim_names=("cp",)), None)]
+    if world == 4:
+        mesh2 = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
+        meshes.append(((mesh2, "cp"), mesh2.get_local_rank("dp")))
+    for group_arg, dp in meshes:
+        group = cp._comm.resolve_group(group_arg)
+        size = dist.get_world_size(group)
+        inputs, upstream = _packed_problem(4 * size, seed=40 + (dp or 0))
+        chunk = 2
+        r = dist.get_rank(group)
+        index = torch.tensor(
+            [*range(r * chunk, (r + 1) * chunk), *range((2 * size - 1 - r) * chunk, (2 * size - r) * chunk)]
+        )
+        want, want_grads = _single_packed(inputs, upstream, True, None)
+        local = [t.detach().index_select(2, index).requires_grad_() for t in inputs]
+        got = cp.attn_kl(*local, group=group_arg, causal=True, comm=comm, backend="reference")
+        got.backward(upstream.index_select(2, index))
+        _assert_close(got, want.index_select(2, index), RTOL_FLOAT64, "kl (mesh)")
+        for t, want_grad in zip(local, want_grads):
+            _assert_close(t.grad, want_grad.index_select(2, index), RTOL_FLOAT64, "grad (mesh)")
+
+
+def case_qkv_formats(rank, world, *, comm):
+    """qkv_format "bshd" and "sbhd": the same KL (in the inputs' format) and gradients as "bhsd"."""
+    inputs, upstream = _packed_problem(4 * world, seed=50)
+    local = [cp.shard(t, "zigzag").detach() for t in inputs]
+    base = [t.clone().requires_grad_() for t in local]
+    want = cp.attn_kl(*base, causal=True, comm=comm, backend="reference")
+    want.backward(cp.shard(upstream, "zigzag"))
+    for fmt, to, back in (
+        ("bshd", lambda t: t.transpose(1, 2).contiguous(), lambda t: t.transpose(1, 2)),
+        ("sbhd", lambda t: t.permute(2, 0, 1, 3).contiguous(), lambda t: t.permute(1, 2, 0, 3)),
+    ):
+        stored = [to(t).requires_grad_() for t in local]
+        got = cp.attn_kl(*stored, causal=True, comm=comm, qkv_format=fmt, backend="reference")
+        kl_back = got.transpose(1, 2) if fmt == "bshd" else got.permute(1, 2, 0)
+        _assert_close(kl_back, want, RTOL_FLOAT64, f"kl ({fmt})")
+        kl_back.backward(cp.shard(upstream, "zigzag"))
+        for t, ref in zip(stored, base):
+            _assert_close(back(t.grad), ref.grad, RTOL_FLOAT64, f"grad ({fmt})")
+
+
+def case_compiled_packed(rank, world):
+    """torch.compile traces a call with positions and cu_seqlens; its backward (the compiled
+    graph's op) exchanges the runs again and matches eager."""
+    torch._dynamo.reset()
+    cu = _documents(world)
+    inputs, _ = _packed_problem(int(cu[-1]), seed=60)
+    pairs = [cp.shard_and_positions(t, "zigzag-per-document", cu_seqlens=cu) for t in inputs]
+    positions = pairs[0][1]
+    local = [p[0].detach().requires_grad_() for p in pairs]
+
+    def loss(q1, k1, q2, k2):
+        return cp.attn_kl(
+            q1,
+            k1,
+            q2,
+            k2,
+            positions=positions,
+            cu_seqlens=cu,
+            causal=True,
+            reduction="mean",
+            backend="reference",
+        )
+
+    got = torch.compile(loss, fullgraph=True, backend="aot_eager")(*local)
+    got.backward()
+    got_grads = [t.grad for t in local]
+    for t in local:
+        t.grad = None
+    want = loss(*local)
+    want.backward()
+    _assert_close(got, want, RTOL_FLOAT64, "compiled loss")
+    for g, t in zip(got_grads, local):
+        _assert_close(g, t.grad, RTOL_FLOAT64, "compiled grad")
+
+
 def _good_shards(world, n_local=6):
     return make_inputs(b=1, h=4, nq=n_local, nk=n_local, d1=8, d2=6, hk1=2, dtype=torch.float64, seed=1)
 
@@ -268,7 +457,19 @@ BAD_INPUTS = {
     "unknown_layout": (ValueError, "layout must be one of"),
     "layout_not_str": (TypeError, "layout must be a str"),
     "unknown_comm_on_one_rank": (ValueError, "comm must be one of"),
-    "cu_seqlens": (ValueError, "packed sequences are not supported with context parallelism"),
+    "cu_seqlens_of_a_shard": (cp.LayoutError, "cu_seqlens ends at 6, but the ranks' shards hold"),
+    "positions_twice": (cp.LayoutError, "is held more than once"),
+    "positions_gap": (cp.LayoutError, "no rank holds position"),
+    "positions_contradict_layout": (cp.LayoutError, "positions contradict layout='zigzag'"),
+    "positions_wrong_length": (ValueError, "positions must be 1-D (N_local,) = (6,)"),
+    "positions_float": (TypeError, "positions must be int32 or int64"),
+    "positions_on_one_rank": (ValueError, "positions given differs across ranks"),
+    "document_not_split": (cp.LayoutError, "document 0 of cu_seqlens ([0, 3)) has 3 tokens"),
+    "max_seqlen_short": (ValueError, "max_seqlen must be an int of at least the longest document"),
+    "dtensor": (TypeError, "is a DTensor; streamkl.distributed.attn_kl takes this rank's shard"),
+    "mesh_2d": (ValueError, "does not say which dimension"),
+    "mesh_unknown_dim": (ValueError, "the mesh's dimensions are named ('dp', 'cp')"),
+    "unknown_qkv_format": (ValueError, "qkv_format must be one of"),
     "mixed_devices_on_one_rank": (ValueError, "must be on one device"),
     "device_type_differs": (ValueError, "device type differs across ranks"),
     "queries_and_keys_differ": (ValueError, "same token range of queries and keys"),
@@ -300,8 +501,38 @@ def case_bad_input(rank, world, *, which):
         kw["layout"] = 2
     elif which == "unknown_comm_on_one_rank" and rank == world - 1:
         kw["comm"] = "all_to_all"
-    elif which == "cu_seqlens":
+    elif which == "cu_seqlens_of_a_shard":
         kw["cu_seqlens"] = torch.tensor([0, 6], dtype=torch.int32)
+    elif which == "positions_twice":  # every rank claims the first tokens
+        kw["positions"] = torch.arange(6)
+    elif which == "positions_gap":
+        kw["positions"] = torch.arange(6) + 6 * rank + (rank == world - 1)
+    elif which == "positions_contradict_layout":
+        kw["layout"], kw["positions"] = "zigzag", torch.arange(6) + 6 * rank
+    elif which == "positions_wrong_length":
+        kw["positions"] = torch.arange(5)
+    elif which == "positions_float":
+        kw["positions"] = torch.arange(6, dtype=torch.float32)
+    elif which == "positions_on_one_rank" and rank == 0:
+        kw["positions"] = torch.arange(6)
+    elif which == "document_not_split":
+        kw["layout"] = "zigzag-per-document"
+        kw["cu_seqlens"] = torch.tensor([0, 3, 6 * world], dtype=torch.int32)
+    elif which == "max_seqlen_short":
+        kw["cu_seqlens"], kw["max_seqlen"] = torch.tensor([0, 6 * world], dtype=torch.int32), 2
+    elif which == "dtensor":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Replicate, distribute_tensor
+
+        mesh = init_device_mesh("cpu", (world,))
+        q1 = distribute_tensor(q1, mesh, [Replicate()])
+    elif which in ("mesh_2d", "mesh_unknown_dim"):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "cp"))
+        kw["group"] = mesh if which == "mesh_2d" else (mesh, "sequence")
+    elif which == "unknown_qkv_format":
+        kw["qkv_format"] = "thd"
     elif which == "mixed_devices_on_one_rank" and rank == 0:
         k2 = k2.to("meta")
     elif which == "device_type_differs" and rank == 0:
@@ -322,9 +553,11 @@ def case_bad_input(rank, world, *, which):
 
 
 def case_unshard_mismatch(rank, world):
-    x = torch.zeros(1, 2, 4 if rank == 0 else 6, 3)
+    x = torch.zeros(1, 2 if rank == 0 else 3, 4, 3)
     with _raises(ValueError, "shape differs across ranks"):
         cp.unshard(x, "zigzag")
+    with _raises(cp.LayoutError, "local sequence length differs across ranks"):
+        cp.unshard(torch.zeros(1, 2, 4 if rank == 0 else 6, 3), "zigzag")
 
 
 def case_shard_indivisible(rank, world):
@@ -424,6 +657,15 @@ def _cases(world: int) -> list[tuple[str, str, dict]]:
     for which in BAD_INPUTS:
         cases.append((f"bad-{which}", "case_bad_input", dict(which=which)))
     cases.append(("bad-unshard-mismatch", "case_unshard_mismatch", {}))
+    for i, comm in enumerate(("allgather", "ring")):
+        cases.append((f"framework-layouts-{comm}", "case_framework_layouts", dict(comm=comm)))
+        causal = (i + world) % 2 == 0
+        cases.append((f"unequal-shards-{comm}", "case_unequal_shards", dict(comm=comm, causal=causal)))
+        cases.append((f"device-mesh-{comm}", "case_device_mesh", dict(comm=comm)))
+    if world == 2:
+        cases.append(("compiled-packed", "case_compiled_packed", {}))
+        for comm in ("allgather", "ring"):
+            cases.append((f"qkv-formats-{comm}", "case_qkv_formats", dict(comm=comm)))
     cases.append(("bad-shard-indivisible", "case_shard_indivisible", {}))
     if world == 2:
         for comm in ("allgather", "ring"):

@@ -19,6 +19,8 @@ TAG_DK = 2
 
 
 def resolve_group(group):
+    """The ProcessGroup a call runs on: `group` itself, the world's for None, the group of a 1-D
+    DeviceMesh, or of one named dimension of a mesh passed as (mesh, "dim")."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
             "streamkl.distributed needs an initialized process group: call "
@@ -26,10 +28,34 @@ def resolve_group(group):
         )
     if group is None:
         return dist.group.WORLD
+    group = _group_of_mesh(group)
     if not isinstance(group, dist.ProcessGroup):
-        raise TypeError(f"group must be a torch.distributed ProcessGroup or None, got {type(group).__name__}")
+        raise TypeError(
+            "group must be a torch.distributed ProcessGroup, a 1-D DeviceMesh, (mesh, dim name) "
+            f"or None, got {type(group).__name__}"
+        )
     if dist.get_rank(group) < 0:
         raise ValueError("this process is not a member of `group`")
+    return group
+
+
+def _group_of_mesh(group):
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if isinstance(group, tuple) and len(group) == 2 and isinstance(group[0], DeviceMesh):
+        mesh, name = group
+        names = mesh.mesh_dim_names or ()
+        if not isinstance(name, str) or name not in names:
+            raise ValueError(f"group=(mesh, {name!r}): the mesh's dimensions are named {names}")
+        return mesh.get_group(name)
+    if isinstance(group, DeviceMesh):
+        if group.ndim != 1:
+            names = group.mesh_dim_names
+            raise ValueError(
+                f"group: a {group.ndim}-D DeviceMesh (dims {names}) does not say which dimension "
+                'the sequence is sharded over; pass mesh["cp"] or (mesh, "cp") with that dimension\'s name'
+            )
+        return group.get_group()
     return group
 
 
@@ -108,15 +134,22 @@ def p2p(send: list[Tensor], receive: list[Tensor], group, rank, world, tag: int)
     return dist.batch_isend_irecv(ops)
 
 
-def ring(shards: list[Tensor], group, rank: int, world: int) -> Iterator[tuple[int, list[Tensor]]]:
+def ring(
+    shards: list[Tensor], group, rank: int, world: int, lengths: list[int] | None = None
+) -> Iterator[tuple[int, list[Tensor]]]:
     """Yields (source rank, its shards) for each of the `world` steps of the ring: step s holds
     the shards of rank (rank - s) mod world. The exchange for step s + 1 is posted before step s
-    is handed out, so it travels while the caller computes; two shards are alive at a time."""
+    is handed out, so it travels while the caller computes; two shards are alive at a time.
+    `lengths`: every rank's length along dim 2, where shards differ (default: all as this one)."""
     current = [t.contiguous() for t in shards]
     for step in range(world):
         requests, incoming = [], []
         if step + 1 < world:
-            incoming = [torch.empty_like(t) for t in current]
+            source = (rank - step - 1) % world
+            incoming = [
+                t.new_empty((*t.shape[:2], lengths[source], *t.shape[3:])) if lengths else torch.empty_like(t)
+                for t in current
+            ]
             requests = p2p(current, incoming, group, rank, world, TAG_KEYS)
         yield (rank - step) % world, current
         for request in requests:

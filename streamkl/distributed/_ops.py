@@ -29,6 +29,7 @@ from .._spec import AttnKLInputs, AttnKLSpec, AttnKLStats
 from ..ops._common import on_device, once_differentiable, out_dtype, refuse_unsupported_autograd
 from . import _plan, _validate
 from ._comm import group_by_name, resolve_group
+from ._layout import check_layout, host_ints
 from ._plan import Call, Context, HeadStep
 
 OP = "attn_kl"
@@ -61,7 +62,8 @@ def run_forward(checked: _validate.Checked, ctx: Context, inputs: AttnKLInputs) 
     kl = torch.zeros(spec.batch, spec.heads, spec.nq, dtype=out_dtype(q1, q2), device=q1.device)
     lse1 = torch.full_like(kl, -math.inf)
     lse2 = torch.full_like(kl, -math.inf)
-    if kl.numel() == 0:
+    ctx.resolve(spec.nq)
+    if spec.batch * spec.heads == 0 or ctx.total == 0:  # the same on every rank: no one communicates
         return AttnKLStats(kl, lse1, lse2)
 
     def block(step: HeadStep, call: Call, keys: list[Tensor]) -> None:
@@ -88,7 +90,9 @@ def run_backward(
         torch.zeros(t.shape, dtype=dtype, device=t.device) if need else None
         for t, need in zip(inputs, spec.needs)
     ]
-    if stats.kl.numel() > 0 and any(spec.needs):
+    ctx.resolve(spec.nq)
+    # a rank with no rows still takes part: the others' keys pass through it, its keys' gradients come home
+    if spec.batch * spec.heads > 0 and ctx.total > 0 and any(spec.needs):
         backend = _dispatch.backward_of(checked.impl)
         grad_kl = grad_kl.to(dtype)
         key_grads = {i: grads[2 * i + 1] for i in (0, 1) if spec.needs[2 * i + 1]}
@@ -113,18 +117,26 @@ def run_backward(
     return tuple(g.to(t.dtype) if g is not None else None for g, t in zip(grads, inputs))
 
 
-def check(group, q1, k1, q2, k2, causal, scale1, scale2, cu_seqlens, max_seqlen, options, *, run: bool):
+def check(group, q1, k1, q2, k2, causal, scale1, scale2, options, *, run: bool):
     """Validates a call: with `run` (real tensors about to run) on every rank, agreed across the
-    group, selecting the backend; else (traced) this rank's checks that need no communication."""
+    group, selecting the backend and resolving every rank's runs of positions: returns (Checked,
+    the call's plan Context); else (traced) this rank's checks that need no communication:
+    (Checked, None)."""
 
     def local():
         refuse_unsupported_autograd("distributed.attn_kl", q1, k1, q2, k2)
-        _validate.check_unpacked(cu_seqlens, max_seqlen)
         spec = _checks.attn_kl_spec(q1, k1, q2, k2, causal=causal, scale1=scale1, scale2=scale2)
         inputs = AttnKLInputs(q1, k1, q2, k2)
         return _validate.check_attn_kl(group, spec, inputs, options, run=run)
 
-    return _validate.agree(group, local, WHAT) if run else local()[0]
+    if not run:
+        return local()[0][0], None
+    (checked, layout, offsets), shares = _validate.agree(group, local, WHAT, share=True)
+    try:
+        runs = _validate.resolve_layout(layout, shares, offsets)
+    except ValueError as exc:  # the same on every rank: every rank raises it, none waits
+        raise type(exc)(f"{WHAT}: {exc}") from None
+    return checked, _plan.context(group, layout or "positions", options.comm, runs, offsets)
 
 
 # --- the registered ops (torch.compile) ----------------------------------------------------------
@@ -136,8 +148,10 @@ def cp_attn_kl_fwd(
     k1: Tensor,
     q2: Tensor,
     k2: Tensor,
+    positions: Tensor | None,
+    cu_seqlens: Tensor | None,
     group_name: str,
-    layout: str,
+    layout: str | None,
     comm: str,
     causal: bool,
     scale1: float,
@@ -150,9 +164,11 @@ def cp_attn_kl_fwd(
     """The local rows' (kl, lse1, lse2) over the whole sequence. A traced call's Python wrapper
     ran at trace time, so the cross-rank checks run here, on every call."""
     group = group_by_name(group_name)
-    options = _validate.Options(layout, comm, heads_per_step, reduction, backend, tuple(requires_grad))
-    checked = check(group, q1, k1, q2, k2, causal, scale1, scale2, None, None, options, run=True)
-    return tuple(run_forward(checked, _plan.context(group, layout, comm), AttnKLInputs(q1, k1, q2, k2)))
+    options = _validate.Options(
+        layout, comm, heads_per_step, reduction, backend, tuple(requires_grad), positions, cu_seqlens
+    )
+    checked, ctx = check(group, q1, k1, q2, k2, causal, scale1, scale2, options, run=True)
+    return tuple(run_forward(checked, ctx, AttnKLInputs(q1, k1, q2, k2)))
 
 
 @cp_attn_kl_fwd.register_fake
@@ -171,8 +187,10 @@ def cp_attn_kl_bwd(
     kl: Tensor,
     lse1: Tensor,
     lse2: Tensor,
+    positions: Tensor | None,
+    cu_seqlens: Tensor | None,
     group_name: str,
-    layout: str,
+    layout: str | None,
     comm: str,
     causal: bool,
     scale1: float,
@@ -182,7 +200,9 @@ def cp_attn_kl_bwd(
     needs: list[bool],
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dq1, dk1, dq2, dk2) of this rank's shards; an unneeded gradient is an empty tensor. Takes
-    what cp_attn_kl_fwd validated: the spec is read off the shapes, the backend selected once."""
+    what cp_attn_kl_fwd validated: the spec is read off the shapes, the backend selected once;
+    the ranks' runs of positions are exchanged again (the forward's context is not kept across
+    the graph)."""
     group = group_by_name(group_name)
     inputs = AttnKLInputs(q1, k1, q2, k2)
     call = dict(causal=causal, scale1=scale1, scale2=scale2, cu_seqlens=None, max_seqlen=None)
@@ -190,7 +210,15 @@ def cp_attn_kl_bwd(
     impl = _dispatch.select(OP, spec, inputs, backend)
     checked = _validate.Checked(spec, heads_per_step, backend, impl)
     stats = AttnKLStats(kl, lse1, lse2)
-    grads = run_backward(checked, _plan.context(group, layout, comm), inputs, stats, grad_kl)
+    shares = _validate.share_layout(group, positions, q1.shape[2], WHAT)
+    offsets = None if cu_seqlens is None else host_ints(cu_seqlens)
+    if layout is not None:
+        layout = check_layout(layout)
+    elif positions is None:
+        layout = "zigzag"
+    runs = _validate.resolve_layout(layout, shares, offsets)
+    ctx = _plan.context(group, layout or "positions", comm, runs, offsets)
+    grads = run_backward(checked, ctx, inputs, stats, grad_kl)
     return tuple(g if g is not None else t.new_empty(0) for g, t in zip(grads, inputs))
 
 
@@ -201,9 +229,10 @@ def _(grad_kl, q1, k1, q2, k2, kl, lse1, lse2, *options):
 
 
 def _setup_context(ctx, inputs, output):
-    q1, k1, q2, k2, *options = inputs
+    q1, k1, q2, k2, positions, cu_seqlens, *options = inputs
     kl, lse1, lse2 = output
     ctx.save_for_backward(q1, k1, q2, k2, kl, lse1, lse2)
+    ctx.index_tensors = (positions, cu_seqlens)
     ctx.options = options[:8]  # group_name .. backend
     ctx.mark_non_differentiable(lse1, lse2)
 
@@ -211,8 +240,8 @@ def _setup_context(ctx, inputs, output):
 def _op_backward(ctx, grad_kl, grad_lse1, grad_lse2):
     q1, k1, q2, k2, kl, lse1, lse2 = ctx.saved_tensors
     needs = list(ctx.needs_input_grad[:4])
-    grads = cp_attn_kl_bwd(grad_kl, q1, k1, q2, k2, kl, lse1, lse2, *ctx.options, needs)
-    return (*(g if need else None for g, need in zip(grads, needs)),) + (None,) * 10
+    grads = cp_attn_kl_bwd(grad_kl, q1, k1, q2, k2, kl, lse1, lse2, *ctx.index_tensors, *ctx.options, needs)
+    return (*(g if need else None for g, need in zip(grads, needs)),) + (None,) * 12
 
 
 cp_attn_kl_fwd.register_autograd(_op_backward, setup_context=_setup_context)
@@ -268,39 +297,90 @@ def _traced(*tensors) -> bool:
     )
 
 
+QKV_FORMATS = ("bhsd", "bshd", "sbhd")
+
+
+def _refuse_dtensors(tensors) -> None:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch without DTensor
+        return
+    for name, t in tensors.items():
+        if isinstance(t, DTensor):
+            raise TypeError(
+                f"{name} is a DTensor; streamkl.distributed.attn_kl takes this rank's shard as a "
+                f"plain tensor: pass {name}.to_local() and, unless the shards are laid out as "
+                "`layout`, the positions of the local tokens (positions=, e.g. from "
+                "streamkl.distributed.shard_and_positions)"
+            )
+
+
+def _to_bhsd(tensors: dict, qkv_format) -> list[Tensor]:
+    """The inputs as (B, H, N, D) views: "bshd" (B, N, H, D) and "sbhd" (N, B, H, D) are read as
+    TransformerEngine names them; nothing is copied."""
+    if not isinstance(qkv_format, str) or qkv_format not in QKV_FORMATS:
+        raise ValueError(f"qkv_format must be one of {QKV_FORMATS}, got {qkv_format!r}")
+    if qkv_format == "bhsd":
+        return list(tensors.values())
+    out = []
+    for name, t in tensors.items():
+        if not isinstance(t, Tensor) or t.dim() != 4:
+            raise ValueError(
+                f"{name} must be 4-D ({qkv_format} under qkv_format={qkv_format!r}), got "
+                f"{tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__}"
+            )
+        out.append(t.transpose(1, 2) if qkv_format == "bshd" else t.permute(1, 2, 0, 3))
+    return out
+
+
 def attn_kl(
-    q1, k1, q2, k2, *, group, causal, layout, comm, scale1, scale2, reduction, heads_per_step, cu_seqlens,
-    max_seqlen, backend,
+    q1, k1, q2, k2, *, group, causal, layout, positions, comm, scale1, scale2, reduction, heads_per_step,
+    cu_seqlens, max_seqlen, qkv_format, backend,
 ):  # fmt: skip
     """The public call's body (docstring in streamkl/distributed/__init__.py)."""
+    tensors = {"q1": q1, "k1": k1, "q2": q2, "k2": k2, "positions": positions, "cu_seqlens": cu_seqlens}
+    _refuse_dtensors(tensors)
+    q1, k1, q2, k2 = _to_bhsd({name: tensors[name] for name in ("q1", "k1", "q2", "k2")}, qkv_format)
     group = resolve_group(group)
     requires_grad = tuple(
         torch.is_grad_enabled() and isinstance(t, Tensor) and t.requires_grad for t in (q1, k1, q2, k2)
     )
-    options = _validate.Options(layout, comm, heads_per_step, reduction, backend, requires_grad)
-    call = (group, q1, k1, q2, k2, causal, scale1, scale2, cu_seqlens, max_seqlen, options)
+    options = _validate.Options(
+        layout, comm, heads_per_step, reduction, backend, requires_grad, positions, cu_seqlens, max_seqlen
+    )
+    call = (group, q1, k1, q2, k2, causal, scale1, scale2, options)
     if _traced(q1, k1, q2, k2):
         # checks that need no communication run at trace time; the cross-rank ones inside the op
-        checked = check(*call, run=False)
+        if max_seqlen is not None and cu_seqlens is None:
+            raise ValueError("max_seqlen is only meaningful with cu_seqlens")
+        checked, _ = check(*call, run=False)
         spec = checked.spec
         kl, _, _ = cp_attn_kl_fwd(
-            q1, k1, q2, k2, group.group_name, layout, comm, causal, spec.scale1, spec.scale2,
-            checked.heads_per_step, checked.backend, list(requires_grad), reduction,
+            q1, k1, q2, k2, positions, cu_seqlens, group.group_name, layout, comm, causal, spec.scale1,
+            spec.scale2, checked.heads_per_step, checked.backend, list(requires_grad), reduction,
         )  # fmt: skip
     else:
-        checked = check(*call, run=True)
-        cp = _plan.context(group, layout, comm)
+        checked, cp = check(*call, run=True)
         if any(requires_grad):
             kl = _AttnKL.apply(checked, cp, q1, k1, q2, k2)
         else:
             kl = run_forward(checked, cp, AttnKLInputs(q1, k1, q2, k2)).kl
     if reduction == "none":
-        return kl
+        return (
+            kl.transpose(1, 2)
+            if qkv_format == "bshd"
+            else kl.permute(2, 0, 1)
+            if qkv_format == "sbhd"
+            else kl
+        )
     local_sum = kl.sum()
-    # the global value, bit-identical on every rank; its gradient reaches this rank's rows only,
-    # since every rank's backward starts from the same global loss (docs/distributed.md, Reductions)
-    total = cp_sum(local_sum.detach(), group.group_name) + (local_sum - local_sum.detach())
+    # the global sum and row count in one all-reduce, bit-identical on every rank; the sum's
+    # gradient reaches this rank's rows only, since every rank's backward starts from the same
+    # global loss (docs/distributed.md, Reductions)
+    local = torch.stack([local_sum.detach().double(), local_sum.new_tensor(kl.numel(), dtype=torch.float64)])
+    summed = cp_sum(local, group.group_name)
+    total = summed[0].to(kl.dtype) + (local_sum - local_sum.detach())
     if reduction == "sum":
         return total
-    world = torch.distributed.get_world_size(group)
-    return total / max(kl.numel() * world, 1)  # causal: every row sees its own key
+    # every row sees a key: its own (causal), its document's, or the whole sequence
+    return total / summed[1].clamp(min=1).to(kl.dtype)

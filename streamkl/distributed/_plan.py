@@ -18,6 +18,8 @@ sequence on dim 2; query-side tensors are the runner's own business.
 
 from __future__ import annotations
 
+import bisect
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from typing import NamedTuple
 
@@ -26,62 +28,158 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ._comm import TAG_DK, all_gather, p2p, reduce_scatter, ring
-from ._layout import chunks_of, chunks_per_rank, owners
+from ._layout import Runs, SeqIndex, chunks_of, layout_runs, runs_of_runs
 
 
-class Context(NamedTuple):
-    """Where a call runs: its group, this rank's place in it, the layout, how keys travel."""
+class Context:
+    """Where a call runs: its group, this rank's place in it, how keys travel, and where every
+    token is: each rank's runs of positions (the layout, resolved) and the packed documents'
+    offsets (None: one sequence). Runs left None are the named layout's over equal shards,
+    resolved at the first use from the key length. The calls of each key block are planned once
+    per context, so a forward and its backward share them."""
 
-    group: object
-    world: int
-    rank: int
-    layout: str
-    comm: str
+    def __init__(self, group, world, rank, layout, comm, runs_by_rank=None, offsets=None):
+        self.group, self.world, self.rank = group, world, rank
+        self.layout, self.comm = layout, comm
+        self.runs_by_rank = runs_by_rank
+        self.offsets = offsets
+        self._index = None
 
     @property
     def local_chunks(self) -> tuple[int, ...]:
         return chunks_of(self.layout, self.rank, self.world)
 
+    def resolve(self, n_local: int) -> None:
+        if self.runs_by_rank is None:
+            self.runs_by_rank = layout_runs(self.layout, [n_local] * self.world, self.offsets)
 
-def context(group, layout: str, comm: str) -> Context:
-    return Context(group, dist.get_world_size(group), dist.get_rank(group), layout, comm)
+    @property
+    def lengths(self) -> list[int]:
+        return [sum(n for _, n in runs) for runs in self.runs_by_rank]
+
+    @property
+    def total(self) -> int:
+        return sum(self.lengths)
+
+    @property
+    def index(self) -> SeqIndex:
+        if self._index is None:
+            self._index = SeqIndex(self.runs_by_rank)
+        return self._index
+
+    def calls(self, source: int | None, causal: bool) -> list[Call]:
+        """The calls of this rank's queries against the keys of rank `source`'s shard, or of the
+        whole sequence in position order (None)."""
+        keys = ((0, self.total),) if source is None else self.runs_by_rank[source]
+        offsets = None if self.offsets is None else tuple(self.offsets)
+        return plan_runs(self.runs_by_rank[self.rank], keys, causal, offsets)
+
+
+def context(group, layout: str, comm: str, runs_by_rank=None, offsets=None) -> Context:
+    return Context(
+        group, dist.get_world_size(group), dist.get_rank(group), layout, comm, runs_by_rank, offsets
+    )
 
 
 class Call(NamedTuple):
-    """One single-process call: local query rows against the first `keys` keys of a key block,
-    causal or not (bottom-right aligned, docs/contract.md, Causal alignment)."""
+    """One single-process call: local query rows against `keys` keys of a key block starting at
+    `key_start`, causal or not (bottom-right aligned, docs/contract.md, Causal alignment). Block
+    runners receive the key block already cut to these keys."""
 
     rows: slice
     keys: int
     causal: bool
+    key_start: int = 0
 
 
 def plan(query_chunks, key_chunks, chunk: int, causal: bool) -> list[Call]:
     """The calls that cover local query chunks `query_chunks` against a key block holding
-    global chunks `key_chunks` (both increasing, `chunk` tokens each).
+    global chunks `key_chunks` (both in storage order, `chunk` tokens each): plan_runs on the
+    chunks' runs."""
+    queries = runs_of_runs([(c * chunk, chunk) for c in query_chunks])
+    keys = tuple((c * chunk, chunk) for c in key_chunks)
+    return plan_runs(queries, keys, causal, None)
 
-    Causal: a query chunk sees every key chunk before it in full and its own chunk (the
-    diagonal) causally; a key chunk after it is skipped. The keys it sees are a prefix of the
-    block, and bottom-right alignment makes "full chunks, then the diagonal" one causal call with
-    Nk = that prefix. All local query chunks go into one call when their needs line up
-    (docs/distributed.md, Causal)."""
-    needs = []  # per query chunk: (key chunks seen in full, whether its diagonal is in the block)
-    for qc in query_chunks:
-        if causal:
-            needs.append((sum(1 for kc in key_chunks if kc < qc), qc in key_chunks))
-        else:
-            needs.append((len(key_chunks), False))
-    count = len(query_chunks)
-    rows = slice(0, count * chunk)
-    if needs[0][0] > 0 and all(need == (needs[0][0], False) for need in needs):
-        return [Call(rows, needs[0][0] * chunk, False)]
-    if all(diag and full == needs[0][0] + t for t, (full, diag) in enumerate(needs)):
-        return [Call(rows, (needs[-1][0] + 1) * chunk, True)]
-    return [
-        Call(slice(t * chunk, (t + 1) * chunk), (full + diag) * chunk, diag)
-        for t, (full, diag) in enumerate(needs)
-        if full + diag > 0
-    ]
+
+def _segments(runs: Runs, offsets) -> list[tuple[int, int, int, int]]:
+    """(storage offset, first position, length, its document's start) of each piece of `runs`
+    within one document, in storage order."""
+    out, stored = [], 0
+    for start, length in runs:
+        p, stop = start, start + length
+        while p < stop:
+            if offsets is None:
+                doc_start, doc_end = 0, stop
+            else:
+                d = bisect.bisect_right(offsets, p) - 1
+                doc_start, doc_end = offsets[d], offsets[d + 1]
+            q = min(stop, doc_end)
+            out.append((stored + p - start, p, q - p, doc_start))
+            p = q
+        stored += length
+    return out
+
+
+@functools.lru_cache(maxsize=512)
+def plan_runs(query_runs: Runs, key_runs: Runs, causal: bool, offsets: tuple | None) -> list[Call]:
+    """The calls that cover the local queries (stored as `query_runs`) against a key block
+    (stored as `key_runs`), inside the documents of `offsets` (None: one sequence).
+
+    A row at position p sees the keys of its document at positions <= p (causal) or all of them.
+    For a query piece [a, a+L) and a key piece [b, c) of one document (c cut to a+L when causal):
+    rows at p >= c see the whole key piece (a non-causal call); rows at b <= p < c see a growing
+    prefix, which is one causal call from row max(a, b) against all of [b, c): bottom-right
+    alignment puts its diagonal at p = c - 1 (docs/distributed.md, Causal). Neighbouring calls
+    then merge where one call says the same: (a) the same keys, non-causal, adjacent rows;
+    (b) the same rows, adjacent keys, the first non-causal and the second non-causal or causal
+    with at least as many keys as rows; (c) adjacent rows, both causal, from the same key, the
+    second's diagonal one key past the first's last key. Zigzag's own shard is one call by
+    (b) then (c). Cached: every layer of a model plans the same runs."""
+    by_doc: dict[int, list] = {}
+    for piece in _segments(key_runs, offsets):
+        by_doc.setdefault(piece[3], []).append(piece)
+    calls = []
+    for row0, a, n, doc in _segments(query_runs, offsets):
+        for key0, b, m, _ in by_doc.get(doc, ()):
+            c = min(b + m, a + n) if causal else b + m
+            if c <= b:
+                continue
+            if not causal:
+                calls.append(Call(slice(row0, row0 + n), m, False, key0))
+                continue
+            first = max(a, b)
+            if c > first:
+                calls.append(Call(slice(row0 + first - a, row0 + c - a), c - b, True, key0))
+            if a + n > max(a, c):
+                calls.append(Call(slice(row0 + max(a, c) - a, row0 + n), c - b, False, key0))
+    calls.sort(key=lambda call: (call.rows.start, call.rows.stop, call.key_start))
+    merged: list[Call] = []
+    for call in calls:
+        joined = _join(merged[-1], call) if merged else None
+        while joined is not None:
+            merged[-1] = joined
+            call = merged.pop()
+            joined = _join(merged[-1], call) if merged else None
+        merged.append(call)
+    return merged
+
+
+def _join(first: Call, second: Call) -> Call | None:
+    """One call equal to `first` then `second`, or None (rules of plan_runs)."""
+    rows = second.rows.stop - second.rows.start
+    if first.rows == second.rows:
+        if not first.causal and first.key_start + first.keys == second.key_start:
+            if not second.causal or second.keys >= rows:
+                return Call(first.rows, first.keys + second.keys, second.causal, first.key_start)
+        return None
+    if first.rows.stop != second.rows.start or first.key_start != second.key_start:
+        return None
+    both = slice(first.rows.start, second.rows.stop)
+    if not first.causal and not second.causal and first.keys == second.keys:
+        return Call(both, first.keys, False, first.key_start)
+    if first.causal and second.causal and second.keys - rows == first.keys:
+        return Call(both, second.keys, True, first.key_start)
+    return None
 
 
 class HeadStep(NamedTuple):
@@ -108,40 +206,52 @@ ForwardBlock = Callable[[HeadStep, Call, list[Tensor]], None]
 BackwardBlock = Callable[[HeadStep, Call, list[Tensor]], dict[int, Tensor]]
 
 
-def key_blocks(
-    ctx: Context, keys: Sequence[Tensor], steps
-) -> Iterator[tuple[HeadStep, tuple[int, ...], list]]:
-    """(head step, global chunks the block holds, each key tensor's block) for every block of
-    keys this rank's queries meet: the whole sequence once per head step (all-gather), or each
-    rank's shard in turn (ring). A block holds the step's key heads only."""
+def key_blocks(ctx: Context, keys: Sequence[Tensor], steps) -> Iterator[tuple[HeadStep, int | None, list]]:
+    """(head step, the block's source, each key tensor's block) for every block of keys this
+    rank's queries meet: the whole sequence in position order once per head step (all-gather,
+    source None), or each rank's shard in turn (ring, source: that rank). A block holds the
+    step's key heads only."""
+    ctx.resolve(keys[0].shape[2])
     if ctx.comm == "allgather":
-        every_chunk = tuple(range(ctx.world * chunks_per_rank(ctx.layout)))
         for step, blocks in _gathered_steps(ctx, keys, steps):
-            yield step, every_chunk, blocks
+            yield step, None, blocks
         return
     for step in steps:
         shards = [k[:, heads] for k, heads in zip(keys, step.k)]
-        for source, blocks in ring(shards, ctx.group, ctx.rank, ctx.world):
-            yield step, chunks_of(ctx.layout, source, ctx.world), blocks
+        for source, blocks in ring(shards, ctx.group, ctx.rank, ctx.world, ctx.lengths):
+            yield step, source, blocks
+
+
+def _padded(t: Tensor, length: int) -> Tensor:
+    """`t` (B, H, n, D) zero-padded to `length` tokens: all-gathers move equal sizes."""
+    if t.shape[2] == length:
+        return t
+    out = t.new_zeros((t.shape[0], t.shape[1], length, t.shape[3]))
+    out[:, :, : t.shape[2]] = t
+    return out
 
 
 def _gathered_steps(ctx: Context, keys: Sequence[Tensor], steps) -> Iterator[tuple[HeadStep, list[Tensor]]]:
-    """For each head step, every key tensor's step heads over the whole sequence, in order.
+    """For each head step, every key tensor's step heads over the whole sequence, in position
+    order. Shards of different lengths travel padded to the longest.
 
     The gather of the next step is posted before the current one is handed out, so it travels
     while the caller computes (docs/distributed.md, All-gather)."""
-    owner = owners(ctx.layout, ctx.world)
-    chunk = keys[0].shape[2] // chunks_per_rank(ctx.layout)
+    longest = max(ctx.lengths)
+    pieces = list(ctx.index.pieces_in(0, ctx.total))
 
     def post(step):
         return [
-            all_gather(k[:, heads], ctx.group, ctx.world, async_op=True) for k, heads in zip(keys, step.k)
+            all_gather(_padded(k[:, heads], longest), ctx.group, ctx.world, async_op=True)
+            for k, heads in zip(keys, step.k)
         ]
 
     def in_sequence_order(work, out):
         if work is not None:
             work.wait()
-        return torch.cat([out[rank, :, :, slot * chunk : (slot + 1) * chunk] for rank, slot in owner], 2)
+        if not pieces:
+            return out[0, :, :, :0]
+        return torch.cat([out[rank, :, :, at : at + n] for _, n, rank, at in pieces], 2)
 
     pending = post(steps[0])
     for i, step in enumerate(steps):
@@ -153,12 +263,15 @@ def _gathered_steps(ctx: Context, keys: Sequence[Tensor], steps) -> Iterator[tup
         del blocks
 
 
+def _keys_of(call: Call, blocks: list[Tensor]) -> list[Tensor]:
+    return [b[:, :, call.key_start : call.key_start + call.keys] for b in blocks]
+
+
 def run_forward(ctx: Context, keys: Sequence[Tensor], steps, causal: bool, block: ForwardBlock) -> None:
     """Hands every call of every key block to `block`, head step by head step."""
-    chunk = keys[0].shape[2] // chunks_per_rank(ctx.layout)
-    for step, key_chunks, blocks in key_blocks(ctx, keys, steps):
-        for call in plan(ctx.local_chunks, key_chunks, chunk, causal):
-            block(step, call, blocks)
+    for step, source, blocks in key_blocks(ctx, keys, steps):
+        for call in ctx.calls(source, causal):
+            block(step, call, _keys_of(call, blocks))
 
 
 def run_backward(
@@ -180,66 +293,69 @@ def run_backward(
 
 
 def _backward_allgather(ctx: Context, keys, steps, causal, key_grads, block) -> None:
-    n = keys[0].shape[2]
-    chunk = n // chunks_per_rank(ctx.layout)
-    owner = owners(ctx.layout, ctx.world)
     in_flight = []  # the previous head step's reduce-scatters: two steps' dk buffers live at most
-    for step, key_chunks, blocks in key_blocks(ctx, keys, steps):
-        # the dk partials of every rank's keys, stored by owner: (world, B, Hk, N_local, D), so that
-        # one reduce-scatter hands each owner the sum over all ranks
+    n_local = keys[0].shape[2]
+    for step, _, blocks in key_blocks(ctx, keys, steps):
+        longest = max(ctx.lengths)
+        # the dk partials of every rank's keys, stored by owner: (world, B, Hk, longest, D), so
+        # that one reduce-scatter hands each owner the sum over all ranks
         by_owner = {
-            i: grad.new_zeros((ctx.world, blocks[i].shape[0], blocks[i].shape[1], n, blocks[i].shape[3]))
+            i: grad.new_zeros(
+                (ctx.world, blocks[i].shape[0], blocks[i].shape[1], longest, blocks[i].shape[3])
+            )
             for i, grad in key_grads.items()
         }
-        for call in plan(ctx.local_chunks, key_chunks, chunk, causal):
-            parts = block(step, call, blocks)
+        for call in ctx.calls(None, causal):
+            parts = block(step, call, _keys_of(call, blocks))
             for i, buffer in by_owner.items():
-                for c in range(call.keys // chunk):
-                    rank, slot = owner[key_chunks[c]]
-                    buffer[rank, :, :, slot * chunk : (slot + 1) * chunk] += parts[i][
-                        :, :, c * chunk : (c + 1) * chunk
-                    ]
-        _finish_reduce_scatters(in_flight, key_grads)
+                for position, n, rank, at in ctx.index.pieces_in(call.key_start, call.key_start + call.keys):
+                    first = position - call.key_start
+                    buffer[rank, :, :, at : at + n] += parts[i][:, :, first : first + n]
+        _finish_reduce_scatters(in_flight, key_grads, n_local)
         # the buffer stays referenced until its reduce-scatter is waited on
         in_flight = [
             (reduce_scatter(buffer, ctx.group, ctx.world), i, step.k[i], buffer)
             for i, buffer in by_owner.items()
         ]
         del by_owner
-    _finish_reduce_scatters(in_flight, key_grads)
+    _finish_reduce_scatters(in_flight, key_grads, n_local)
 
 
-def _finish_reduce_scatters(in_flight, key_grads) -> None:
+def _finish_reduce_scatters(in_flight, key_grads, n_local: int) -> None:
     for (request, out), i, heads, _ in in_flight:
         if request is not None:
             request.wait()
-        key_grads[i][:, heads] += out
+        key_grads[i][:, heads] += out[:, :, :n_local]
 
 
 def _backward_ring(ctx: Context, keys, steps, causal, key_grads, block) -> None:
-    chunk = keys[0].shape[2] // chunks_per_rank(ctx.layout)
     wanted = list(key_grads)
     for step in steps:
         requests, sent, arriving = [], [], []
-        for _, key_chunks, blocks in key_blocks(ctx, keys, [step]):
+        hop = 0
+        for _, source, blocks in key_blocks(ctx, keys, [step]):
             partial = [
                 torch.zeros(blocks[i].shape, dtype=key_grads[i].dtype, device=blocks[i].device)
                 for i in wanted
             ]
-            for call in plan(ctx.local_chunks, key_chunks, chunk, causal):
-                parts = block(step, call, blocks)
+            for call in ctx.calls(source, causal):
+                parts = block(step, call, _keys_of(call, blocks))
                 for buffer, i in zip(partial, wanted):
-                    buffer[:, :, : call.keys] += parts[i]
+                    buffer[:, :, call.key_start : call.key_start + call.keys] += parts[i]
             # the dk partials of this block's keys travel one hop behind the keys: add what the
             # previous rank sent for this block, pass the sum on (docs/distributed.md, Ring)
             for request in requests:
                 request.wait()
             for buffer, arrived in zip(partial, arriving):
                 buffer += arrived
+            hop += 1
             if ctx.world == 1:
                 arriving = partial
                 continue
-            sent, arriving = partial, [torch.empty_like(buffer) for buffer in partial]
+            # what arrives next is the previous rank's partial for the next block: its source's length
+            length = ctx.lengths[(ctx.rank - hop) % ctx.world]
+            sent = partial
+            arriving = [b.new_empty((*b.shape[:2], length, b.shape[3])) for b in partial]
             requests = p2p(sent, arriving, ctx.group, ctx.rank, ctx.world, TAG_DK)
         for request in requests:
             request.wait()

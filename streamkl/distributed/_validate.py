@@ -11,19 +11,25 @@ raise the same error on every rank before any data collective.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import weakref
 from collections.abc import Callable
 from typing import NamedTuple
 
+import torch
 import torch.distributed as dist
+from torch import Tensor
 
 from .. import _checks, _dispatch, _env
 from .._spec import AttnKLInputs, AttnKLSpec
 from ._comm import COMMS, all_gather_bytes
-from ._layout import check_layout, chunks_per_rank
+from ._layout import LayoutError, Runs, check_cover, check_layout, chunks_per_rank, host_ints, layout_runs
 
-_ERROR_TYPES = {kind.__name__: kind for kind in (ValueError, TypeError, RuntimeError, NotImplementedError)}
+_ERROR_TYPES = {
+    kind.__name__: kind for kind in (ValueError, TypeError, RuntimeError, NotImplementedError, LayoutError)
+}
 
 _MISMATCH_HINTS = {
     "local sequence length": "; every rank holds an equal shard of the sequence",
@@ -31,17 +37,18 @@ _MISMATCH_HINTS = {
 }
 
 
-def agree(group, local: Callable[[], tuple], what: str):
+def agree(group, local: Callable[[], tuple], what: str, *, share: bool = False):
     """Runs the local checks on every rank, then one exchange of their outcome (an error or a
     small dict of metadata): any rank's error, or any metadata that differs between ranks,
     raises the same error on every rank, before any data collective. Returns what `local`
-    returned besides the metadata."""
+    returned besides the metadata. With `share`, `local` returns (result, metadata, what this
+    rank tells the others) and agree returns (result, every rank's share, by rank)."""
     try:
-        result, meta = local()
+        result, meta, *mine = local()
         error = None
     except Exception as exc:  # travels to the other ranks, which would otherwise wait forever
-        meta, error, raised = None, (type(exc).__name__, str(exc)), exc
-    outcomes = _exchange(group, {"meta": meta, "error": error})
+        meta, mine, error, raised = None, [None], (type(exc).__name__, str(exc)), exc
+    outcomes = _exchange(group, {"meta": meta, "error": error, "share": mine[0] if share else None})
     for rank, outcome in enumerate(outcomes):
         if outcome["error"] is not None:
             kind_name, message = outcome["error"]
@@ -55,6 +62,8 @@ def agree(group, local: Callable[[], tuple], what: str):
             listing = ", ".join(f"rank {rank}: {value}" for rank, value in enumerate(values))
             hint = _MISMATCH_HINTS.get(key, "")
             raise ValueError(f"{what}: {key} differs across ranks ({listing}){hint}")
+    if share:
+        return result, [outcome["share"] for outcome in outcomes]
     return result
 
 
@@ -112,14 +121,18 @@ def check_group_device(group, device_type: str) -> None:
 
 
 class Options(NamedTuple):
-    """The context-parallel options of a call, as its caller passed them."""
+    """The context-parallel options of a call, as its caller passed them. layout None: the
+    positions' layout, or "zigzag" without positions."""
 
-    layout: str
+    layout: str | None
     comm: str
     heads_per_step: int | None
     reduction: str
     backend: str | None
     requires_grad: tuple[bool, ...]
+    positions: Tensor | None = None
+    cu_seqlens: Tensor | None = None
+    max_seqlen: int | None = None
 
 
 class Checked(NamedTuple):
@@ -133,16 +146,168 @@ class Checked(NamedTuple):
     impl: object | None
 
 
+# --- where the tokens are: layouts, positions, documents -------------------------------------
+
+
+def runs_of_positions(positions: Tensor) -> Runs:
+    """The runs of a positions tensor, found on its device; only the runs' ends are read on the
+    host (one sync per tensor, cached until it changes)."""
+    if positions.numel() == 0:
+        return ()
+    jumps = torch.nonzero(positions[1:] != positions[:-1] + 1).flatten() + 1
+    firsts = torch.cat([jumps.new_zeros(1), jumps])
+    starts = positions[firsts].to(torch.int64)
+    ends = torch.cat([jumps, jumps.new_full((1,), positions.numel())])
+    table = torch.stack([starts, (ends - firsts).to(torch.int64)], 1)
+    return tuple((a, n) for a, n in table.tolist())
+
+
+# id(positions) -> (weak reference, version counter, its runs): a model's layers pass one
+# positions tensor, read once
+_RUNS: dict[int, tuple] = {}
+
+
+def check_local_layout(layout, positions, cu_seqlens, max_seqlen, batch: int, n_local: int, device):
+    """One rank's checks of where its tokens are. Returns (the layout's name or None, this
+    rank's runs or None, the documents' offsets or None, metadata every rank must share)."""
+    if layout is not None:
+        layout = check_layout(layout)
+    runs = None
+    if positions is not None:
+        if not isinstance(positions, Tensor):
+            raise TypeError(f"positions must be a torch.Tensor or None, got {type(positions).__name__}")
+        if positions.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"positions must be int32 or int64, got {positions.dtype}")
+        if positions.dim() != 1 or positions.shape[0] != n_local:
+            raise ValueError(
+                f"positions must be 1-D (N_local,) = ({n_local},), one global index per local "
+                f"token, got shape {tuple(positions.shape)}"
+            )
+        if positions.device != device:
+            raise ValueError(f"positions is on {positions.device}; expected {device} like q1")
+        runs = _runs_cached(positions)
+    offsets = None
+    if cu_seqlens is not None:
+        if not isinstance(cu_seqlens, Tensor):
+            raise TypeError(f"cu_seqlens must be a torch.Tensor, got {type(cu_seqlens).__name__}")
+        if cu_seqlens.dtype != torch.int32:
+            raise TypeError(f"cu_seqlens must be int32, got {cu_seqlens.dtype}")
+        if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
+            raise ValueError(
+                "cu_seqlens must be 1-D (num_seqs + 1,) with at least 2 entries: the offsets of the "
+                f"documents in the whole packed sequence, got shape {tuple(cu_seqlens.shape)}"
+            )
+        if cu_seqlens.device != device:
+            raise ValueError(f"cu_seqlens is on {cu_seqlens.device}; expected {device} like q1")
+        if batch != 1:
+            raise ValueError(f"packed sequences (cu_seqlens) need batch 1, got B = {batch}")
+        offsets = host_ints(cu_seqlens)
+        if offsets[0] != 0:
+            raise ValueError(f"cu_seqlens must start at 0, got {offsets[0]}")
+        if any(b < a for a, b in zip(offsets[:-1], offsets[1:])):
+            raise ValueError(f"cu_seqlens must be non-decreasing, got {offsets}")
+        longest = max(b - a for a, b in zip(offsets[:-1], offsets[1:]))
+        if max_seqlen is not None:
+            if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < longest:
+                raise ValueError(
+                    f"max_seqlen must be an int of at least the longest document ({longest}), "
+                    f"got {max_seqlen!r}"
+                )
+    elif max_seqlen is not None:
+        raise ValueError("max_seqlen is only meaningful with cu_seqlens")
+    if layout is None and runs is None:
+        layout = "zigzag"
+    meta = {
+        "positions given": runs is not None,
+        "layout": layout,
+        "cu_seqlens": None if offsets is None else _digest(offsets),
+    }
+    return layout, runs, offsets, meta
+
+
+def _runs_cached(positions: Tensor) -> Runs:
+    key = id(positions)
+    entry = _RUNS.get(key)
+    if (
+        not positions.is_inference()
+        and entry is not None
+        and entry[0]() is positions
+        and entry[1] == positions._version
+    ):
+        return entry[2]
+    runs = runs_of_positions(positions)
+    if not positions.is_inference():
+        _RUNS[key] = (weakref.ref(positions), positions._version, runs)
+        weakref.finalize(positions, _RUNS.pop, key, None)
+    return runs
+
+
+def _digest(offsets: list[int]) -> str:
+    digest = hashlib.sha1(",".join(map(str, offsets)).encode()).hexdigest()[:12]
+    return f"{len(offsets) - 1} documents of {offsets[-1]} tokens (digest {digest})"
+
+
+def resolve_layout(layout, shares: list, offsets) -> list:
+    """Every rank's runs, from what every rank shared ({"length", "runs"}); the same on every
+    rank, so an error here is raised alike everywhere without another exchange. Raises
+    LayoutError where the shards cannot hold the named layout, where positions do not cover
+    0..N-1 once, or where positions contradict a named layout."""
+    lengths = [share["length"] for share in shares]
+    given = [share["runs"] for share in shares]
+    total = sum(lengths)
+    if offsets is not None and offsets[-1] != total:
+        raise LayoutError(
+            f"cu_seqlens ends at {offsets[-1]}, but the ranks' shards hold {total} tokens together "
+            f"({lengths}); cu_seqlens holds the documents of the whole packed sequence, the same "
+            "on every rank"
+        )
+    if given[0] is None:
+        return layout_runs(layout, lengths, offsets)
+    runs_by_rank = [tuple(tuple(run) for run in runs) for runs in given]
+    check_cover(runs_by_rank)
+    if layout is not None:
+        expected = layout_runs(layout, lengths, offsets)
+        for rank, (got, want) in enumerate(zip(runs_by_rank, expected)):
+            if got != want:
+                raise LayoutError(
+                    f"positions contradict layout={layout!r}: rank {rank} holds the runs "
+                    f"(start, length) {list(got)[:4]}, where {layout!r} puts {list(want)[:4]}; pass "
+                    "positions alone (or the layout alone)"
+                )
+    return runs_by_rank
+
+
+def share_layout(group, positions, n_local: int, what: str) -> list:
+    """Every rank's shard length and runs, exchanged without the other checks: for a backward
+    whose forward validated the call and whose context is not at hand (a compiled graph's)."""
+    runs = None if positions is None else _runs_cached(positions)
+    return agree(group, lambda: (None, {}, {"length": n_local, "runs": runs}), what, share=True)[1]
+
+
 def check_attn_kl(group, spec: AttnKLSpec, inputs: AttnKLInputs, options: Options, *, run: bool):
     """Everything one rank can check alone of an attn_kl call whose spec streamkl._checks built;
     raises ValueError/TypeError naming the argument. Returns (Checked, the metadata every rank
-    must share). `run`: the inputs are real tensors about to run (not traced), so the backend
-    is selected here, once for every block: a block is a slice of the local call (the same
-    dtypes and device, strides of the same alignment), so a backend that runs the call runs it."""
-    check_layout(options.layout)
+    must share, what this rank shares: its length and runs, the layout's name and the
+    documents' offsets). `run`: the inputs are real tensors about to run (not traced), so the
+    backend is selected here, once for every block: a block is a slice of the local call (the
+    same dtypes and device, strides of the same alignment), so a backend that runs the call runs
+    it; and positions and cu_seqlens are read."""
     check_comm(options.comm)
     _checks.check_reduction(options.reduction)
-    check_shard_lengths(options.layout, spec.nq, spec.nk)
+    if spec.nk != spec.nq:
+        raise ValueError(
+            f"the keys hold {spec.nk} tokens but the queries {spec.nq}: with context parallelism each rank "
+            "passes the same token range of queries and keys"
+        )
+    if run:
+        layout, runs, offsets, layout_meta = check_local_layout(
+            options.layout, options.positions, options.cu_seqlens, options.max_seqlen,
+            spec.batch, spec.nq, inputs.q1.device,
+        )  # fmt: skip
+    else:
+        layout, runs, offsets, layout_meta = options.layout, None, None, {}
+        if layout is not None:
+            check_layout(layout)
     unit = math.lcm(spec.group1, spec.group2)
     heads_per_step = options.heads_per_step
     if heads_per_step is None:
@@ -163,17 +328,22 @@ def check_attn_kl(group, spec: AttnKLSpec, inputs: AttnKLInputs, options: Option
         check_group_device(group, device_type)
     tensors = dict(zip(("q1", "k1", "q2", "k2"), inputs))
     meta = {
-        "local sequence length": spec.nq,
-        **{f"{arg} shape": tuple(t.shape) for arg, t in tensors.items()},
+        # shapes but the sequence axis: shards may differ in length where the layout allows
+        **{
+            f"{arg} shape": tuple(t.shape[:2]) + ("N_local",) + tuple(t.shape[3:])
+            for arg, t in tensors.items()
+        },
         "dtypes": tuple(str(t.dtype) for t in tensors.values()),
         "device type": device_type,
         "causal": spec.causal,
-        "layout": options.layout,
         "comm": options.comm,
         "scale1": spec.scale1,
         "scale2": spec.scale2,
         "reduction": options.reduction,
         "heads_per_step": heads_per_step,
         "requires_grad": tuple(options.requires_grad),
+        **layout_meta,
     }
-    return Checked(spec, min(heads_per_step, spec.heads), name, impl), meta
+    share = {"length": spec.nq, "runs": runs}
+    checked = Checked(spec, min(heads_per_step, spec.heads), name, impl)
+    return (checked, layout, offsets), meta, share
