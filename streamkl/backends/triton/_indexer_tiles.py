@@ -16,8 +16,6 @@ import triton.language as tl
 
 from ._tiles import visible
 
-LOG2E = 1.4426950408889634
-
 
 @triton.jit
 def stack(x, S: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
@@ -131,7 +129,7 @@ def teacher_mixture(
             Q, K, h, kv, rows, head_ok, row_ok, key, ok, sqh, sqn, sqd, skh, skn, skd, D, BD, M, BN, PREC
         )  # fmt: skip
         lse = tl.load(LSE_B + h.to(tl.int64) * NQ + rows, mask=head_ok & row_ok, other=float("-inf"))
-        L = tl.where(lse > float("-inf"), lse * LOG2E, float("inf"))
+        L = tl.where(lse > float("-inf"), lse * 1.4426950408889634, float("inf"))
         e = tl.math.exp2(tl.where(adm & head_ok[:, None], s * c_log2 - L[:, None], float("-inf")))
         p += unstack_sum(e, HB, BM, BN)
     return p * inv_h
