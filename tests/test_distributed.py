@@ -396,10 +396,11 @@ def case_qkv_formats(rank, world, *, comm):
     for fmt, to, back in (
         ("bshd", lambda t: t.transpose(1, 2).contiguous(), lambda t: t.transpose(1, 2)),
         ("sbhd", lambda t: t.permute(2, 0, 1, 3).contiguous(), lambda t: t.permute(1, 2, 0, 3)),
+        ("thd", lambda t: t[0].transpose(0, 1).contiguous(), lambda t: t.transpose(0, 1).unsqueeze(0)),
     ):
         stored = [to(t).requires_grad_() for t in local]
         got = cp.attn_kl(*stored, causal=True, comm=comm, qkv_format=fmt, backend="reference")
-        kl_back = got.transpose(1, 2) if fmt == "bshd" else got.permute(1, 2, 0)
+        kl_back = back(got.unsqueeze(-1)).squeeze(-1)  # the KL is laid out as a one-dim head
         _assert_close(kl_back, want, RTOL_FLOAT64, f"kl ({fmt})")
         kl_back.backward(cp.shard(upstream, "zigzag"))
         for t, ref in zip(stored, base):
@@ -532,7 +533,7 @@ def case_bad_input(rank, world, *, which):
         mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "cp"))
         kw["group"] = mesh if which == "mesh_2d" else (mesh, "sequence")
     elif which == "unknown_qkv_format":
-        kw["qkv_format"] = "thd"
+        kw["qkv_format"] = "bnhd"
     elif which == "mixed_devices_on_one_rank" and rank == 0:
         k2 = k2.to("meta")
     elif which == "device_type_differs" and rank == 0:
@@ -871,3 +872,36 @@ def test_plan_causal_blocks():
     # the whole sequence (all-gather): chunk 1 against 0..1, chunk 6 against 0..6
     assert plan((1, 6), tuple(range(8)), 3, True) == [call(slice(0, 3), 6, True), call(slice(3, 6), 21, True)]
     assert plan((1, 6), tuple(range(8)), 3, False) == [call(slice(0, 6), 24, False)]
+
+
+@pytest.mark.parametrize("world", (2, 3, 4))
+def test_framework_positions_match_pytorch_balancers(world):
+    """shard_and_positions' "zigzag" and "ptrr" cuts are PyTorch's head-tail and PTRR balancers'
+    (their indices, cut into P equal shards as context_parallel cuts them), the PTRR one on
+    document masks built by flex_attention's create_block_mask, causal and not."""
+    balancers = pytest.importorskip("torch.distributed.tensor.experimental._context_parallel._load_balancer")
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from streamkl.distributed._layout import framework_positions
+
+    block = 8
+    n = 8 * world * block
+    per = n // world
+    offsets = [0, 2 * block, 7 * block, n]
+    document = torch.zeros(n, dtype=torch.long)
+    for d, (start, end) in enumerate(zip(offsets[:-1], offsets[1:])):
+        document[start:end] = d
+    head_tail = balancers._HeadTailLoadBalancer(n, world, "cpu")._generate_indices()[0]
+    for causal in (True, False):
+
+        def mask(b, h, q, kv, causal=causal):
+            same = document[q] == document[kv]
+            return same & (kv <= q) if causal else same
+
+        block_mask = create_block_mask(mask, 1, 1, n, n, device="cpu", BLOCK_SIZE=block)
+        ptrr = balancers._PTRRLoadBalancer(block_mask, world)._generate_indices()[0]
+        for rank in range(world):
+            theirs = ptrr[rank * per : (rank + 1) * per].tolist()
+            assert theirs == framework_positions("ptrr", n, rank, world, offsets, block, causal)
+            theirs = head_tail[rank * per : (rank + 1) * per].tolist()
+            assert theirs == framework_positions("zigzag", n, rank, world, None, block, causal)

@@ -73,9 +73,8 @@ def shard_and_positions(
                              PyTorch's head-tail balancer, Megatron's get_batch_on_this_cp_rank,
                              TransformerEngine's bshd/sbhd, ring-flash-attention's zigzag)
       "zigzag-per-document"  the same within every document of cu_seqlens, each a multiple of 2P
-                             tokens ("per-document-head-tail": TransformerEngine's THD
-                             thd_get_partitioned_indices, Megatron's packed sequences, PyTorch's
-                             per-document head-tail balancer)
+                             tokens, documents in order (TransformerEngine's THD
+                             thd_get_partitioned_indices, Megatron's packed sequences)
       "ptrr"                 PyTorch's PTRR balancer: blocks of `block_size` tokens dealt by
                              their cost under the causal (or not) document mask of cu_seqlens
     """

@@ -11,8 +11,7 @@ the tokens. The named layouts are shorthands that produce runs:
                            (PyTorch's head-tail balancer, Megatron/TE on one sequence,
                            ring-flash-attention's zigzag)
     "zigzag-per-document"  the same within every document of cu_seqlens, documents in order
-                           (TE's THD partitioned indices, Megatron's packed sequences, PyTorch's
-                           per-document head-tail balancer)
+                           (TE's THD partitioned indices, Megatron's packed sequences)
 
 `framework_positions` also makes PyTorch's PTRR order, which depends on the mask, so it is a
 positions-only layout for attn_kl.
@@ -28,7 +27,7 @@ from torch import Tensor
 
 LAYOUTS = ("contiguous", "zigzag", "zigzag-per-document")
 SHARD_LAYOUTS = (*LAYOUTS, "ptrr")
-HEAD_TAIL_ALIASES = {"head-tail": "zigzag", "per-document-head-tail": "zigzag-per-document"}
+HEAD_TAIL_ALIASES = {"head-tail": "zigzag"}
 
 Runs = tuple[tuple[int, int], ...]  # (first position, length) per run, in storage order
 

@@ -297,7 +297,7 @@ def _traced(*tensors) -> bool:
     )
 
 
-QKV_FORMATS = ("bhsd", "bshd", "sbhd")
+QKV_FORMATS = ("bhsd", "bshd", "sbhd", "thd")
 
 
 def _refuse_dtensors(tensors) -> None:
@@ -316,21 +316,38 @@ def _refuse_dtensors(tensors) -> None:
 
 
 def _to_bhsd(tensors: dict, qkv_format) -> list[Tensor]:
-    """The inputs as (B, H, N, D) views: "bshd" (B, N, H, D) and "sbhd" (N, B, H, D) are read as
-    TransformerEngine names them; nothing is copied."""
+    """The inputs as (B, H, N, D) views: "bshd" (B, N, H, D), "sbhd" (N, B, H, D) and "thd"
+    (N, H, D: packed tokens, B = 1) are read as TransformerEngine names them; nothing is copied."""
     if not isinstance(qkv_format, str) or qkv_format not in QKV_FORMATS:
         raise ValueError(f"qkv_format must be one of {QKV_FORMATS}, got {qkv_format!r}")
     if qkv_format == "bhsd":
         return list(tensors.values())
     out = []
+    dims = len(qkv_format)
     for name, t in tensors.items():
-        if not isinstance(t, Tensor) or t.dim() != 4:
+        if not isinstance(t, Tensor) or t.dim() != dims:
             raise ValueError(
-                f"{name} must be 4-D ({qkv_format} under qkv_format={qkv_format!r}), got "
+                f"{name} must be {dims}-D ({qkv_format} under qkv_format={qkv_format!r}), got "
                 f"{tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__}"
             )
-        out.append(t.transpose(1, 2) if qkv_format == "bshd" else t.permute(1, 2, 0, 3))
+        if qkv_format == "bshd":
+            out.append(t.transpose(1, 2))
+        elif qkv_format == "sbhd":
+            out.append(t.permute(1, 2, 0, 3))
+        else:
+            out.append(t.transpose(0, 1).unsqueeze(0))
     return out
+
+
+def _in_format(kl: Tensor, qkv_format: str) -> Tensor:
+    """The rows' KL (B, H, N) as the inputs were laid out: (B, N, H), (N, B, H) or (N, H)."""
+    if qkv_format == "bshd":
+        return kl.transpose(1, 2)
+    if qkv_format == "sbhd":
+        return kl.permute(2, 0, 1)
+    if qkv_format == "thd":
+        return kl[0].transpose(0, 1)
+    return kl
 
 
 def attn_kl(
@@ -366,13 +383,7 @@ def attn_kl(
         else:
             kl = run_forward(checked, cp, AttnKLInputs(q1, k1, q2, k2)).kl
     if reduction == "none":
-        return (
-            kl.transpose(1, 2)
-            if qkv_format == "bshd"
-            else kl.permute(2, 0, 1)
-            if qkv_format == "sbhd"
-            else kl
-        )
+        return _in_format(kl, qkv_format)
     local_sum = kl.sum()
     # the global sum and row count in one all-reduce, bit-identical on every rank; the sum's
     # gradient reaches this rank's rows only, since every rank's backward starts from the same

@@ -1,0 +1,33 @@
+"""examples/context_parallel.py runs as its docstring says, under torchrun on 2 CPU ranks (gloo):
+every framework's shards give the single-process KL."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "context_parallel.py"
+
+
+def test_context_parallel_example_runs_every_framework():
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(EXAMPLE),
+    ]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for framework in (
+        "megatron",
+        "te-thd",
+        "pytorch",
+        "pytorch-ptrr",
+        "ring-flash-attn",
+        "ring-flash-attn-varlen",
+    ):
+        assert f"{framework} " in proc.stdout and "relative error" in proc.stdout, proc.stdout[-2000:]
