@@ -121,6 +121,13 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def nbytes(out) -> int:
+    """The bytes of the tensors a call returned (a tensor, or a tuple or list of them)."""
+    if isinstance(out, torch.Tensor):
+        return out.nbytes
+    return sum(nbytes(t) for t in out) if isinstance(out, (tuple, list)) else 0
+
+
 def free_memory(device: torch.device) -> None:
     if device.type == "cuda":  # on CPU a gc pass per measurement costs more than the smoke run
         gc.collect()
@@ -404,6 +411,7 @@ class Runner:
         synchronize(self.device)
         one_call_s = time.perf_counter() - t0
         fields["mem_bytes"] = torch.cuda.max_memory_allocated(self.device) - before if cuda else None
+        fields["out_bytes"] = nbytes(out)
         del out
         if one_call_s >= self.opt.long_call_s:  # a multi-second call: one sample is enough
             ms, timer = one_call_s * 1e3, "one synchronized call (over --long-call-s)"

@@ -216,6 +216,10 @@ MEMORY_TEXT = (
     "Peak extra memory (CUDA only) counts what one call allocates beyond what was allocated before it, "
     "its outputs included; the first call (compilation, autotuning) is never timed."
 )
+BEYOND_TEXT = (
+    " Beyond outputs: the peak extra memory less the bytes of what the call returns (the KL, and in a "
+    "training step the gradients), what it held besides its inputs and results."
+)
 
 
 def markdown(data: dict) -> str:
@@ -239,7 +243,11 @@ def markdown(data: dict) -> str:
         f"# streamkl benchmarks{' (indexer_kl)' * indexer}: {device}\n",
         f"Device: {device_name(data['runs'][0]['environment'])}.\n\n" + table(runs_header, runs),
         "## Providers\n\n"
-        + (INDEXER_PROVIDERS_TEXT + MEMORY_TEXT if indexer else PROVIDERS_TEXT + MEMORY_TEXT + COPY_TEXT)
+        + (
+            INDEXER_PROVIDERS_TEXT + MEMORY_TEXT + BEYOND_TEXT
+            if indexer
+            else PROVIDERS_TEXT + MEMORY_TEXT + COPY_TEXT
+        )
         + "\n\n"
         + table(["provider", "kind", "what"], [[n, kinds.get(n, ""), w] for n, w in providers.items()]),
         "## Headline\n\nstreamkl's fastest backend against the fastest non-fp32 baseline measured "
@@ -256,8 +264,10 @@ def markdown(data: dict) -> str:
             here = [r for r in measured if (r["sweep"], r["mode"]) == (sweep, mode)]
             if indexer:  # a sweep may be run in pieces (indexer_bench.py --sweep dense:16k,dense:4k): by size
                 here.sort(key=lambda r: size_order(r["case"]))
-            if rows := [_sweep_row(data, r, copy) for r in here]:
-                parts.append(f"### {title}\n\n" + table(header + ["% of copy"] * copy, rows))
+            if rows := [_sweep_row(data, r, copy, indexer) for r in here]:
+                extra = ["% of copy"] * copy
+                head = header[:6] + ["beyond outputs MiB"] * indexer + header[6:]
+                parts.append(f"### {title}\n\n" + table(head + extra, rows))
     if not_run := collections.Counter((r["provider"], r["reason"]) for r in records if r["status"] == "n/a"):
         rows = [[p, reason, n] for (p, reason), n in not_run.items()]
         parts.append("## Not run\n\n" + table(["provider", "why", "measurements"], rows))
@@ -269,15 +279,21 @@ def markdown(data: dict) -> str:
     return "\n".join(parts)
 
 
-def _sweep_row(data: dict, r: dict, copy: bool = False) -> list[str]:
+def _sweep_row(data: dict, r: dict, copy: bool = False, beyond: bool = False) -> list[str]:
+    """A sweep table's row; beyond: a column of the peak memory less the call's outputs (indexer_kl:
+    what a call holds beyond the gradients it returns)."""
     head = [case_name(r["case"]), r["provider"], time_cell(r)]
     if r["status"] != "ok":
-        return [*head, "—", "—", "—", error_cell(r), "—"] + ["—"] * copy
+        return [*head, "—", "—", "—", *["—"] * beyond, error_cell(r), "—"] + ["—"] * copy
     run = data["runs"][r.get("run", 0)]
     gemm = ((run.get("gemm") or {}).get("start") or {}).get("tflops")
     of_gemm = f"{100 * r['tflops'] / gemm:.0f}%" if gemm else "—"  # against the run's GEMM at its start
     mem = "—" if r.get("mem_bytes") is None else f"{r['mem_bytes'] / 2**20:,.1f}"
-    row = [*head, f"{r['tflops']:.3g}", of_gemm, mem, error_cell(r), f"{r['first_call_s']:.2f}"]
+    row = [*head, f"{r['tflops']:.3g}", of_gemm, mem]
+    if beyond:
+        known = r.get("mem_bytes") is not None and r.get("out_bytes") is not None
+        row.append(f"{(r['mem_bytes'] - r['out_bytes']) / 2**20:,.1f}" if known else "—")
+    row += [error_cell(r), f"{r['first_call_s']:.2f}"]
     if copy:  # GB/s of the bytes a forward must move, against the run's copy bandwidth
         gbps = (run.get("copy") or {}).get("gbps")
         row.append(f"{100 * r['bytes'] / r['ms'] / 1e6 / gbps:.0f}%" if gbps and r.get("bytes") else "—")

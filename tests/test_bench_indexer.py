@@ -281,6 +281,9 @@ def test_smoke_run_records_every_provider(smoke_run):
                 assert r["tflops"] > 0 and r["flops"] == indexer_kl_flops(IndexerCase(**r["case"]), mode)
                 err = r["error"]
                 assert set(err) >= ({"kl", "dqi", "dki", "dw"} if mode == "train" else {"kl"}), err
+                c, size = r["case"], getattr(torch, r["case"]["dtype"]).itemsize
+                grads = (c["g"] * c["nq"] + c["nk"]) * c["di"] * size + c["g"] * c["nq"] * size
+                assert r["out_bytes"] == (4 + grads if mode == "train" else 4 * c["nq"]), r  # loss or KL
                 assert all(err[k] < 2e-2 for k in ("kl", "dqi", "dki", "dw") if k in err), r
     cuda = [r for r in records if r["provider"] == "streamkl-cuda"]
     assert cuda and all(r["status"] == "n/a" and "backend not available" in r["reason"] for r in cuda)
@@ -290,3 +293,4 @@ def test_smoke_run_records_every_provider(smoke_run):
     assert md == report.markdown(data) and "# streamkl benchmarks (indexer_kl)" in md
     assert "KL / dqi / dki / dw" in md and "G=3, Di=16" in md and "64 causal bf16 top-16" in md
     assert "lse computed" in md and "## Not run" in md
+    assert "| peak extra MiB | beyond outputs MiB | error |" in md  # the gradients apart (on CUDA)
