@@ -111,7 +111,7 @@ def test_tiles_stack_heads_as_the_gemm_rows():
     from streamkl.backends.triton._indexer_launch import indexer_cfg, plan
 
     dense = indexer_cfg(_spec(128, 1, 64, 576, 128), torch.bfloat16, False)
-    assert (dense.bm, dense.hb, dense.gp, dense.bd, dense.bn) == (2, 64, 64, 64, 64)
+    assert (dense.bm, dense.hb, dense.gp, dense.bd, dense.bn, dense.num_warps) == (2, 64, 64, 64, 32, 8)
     sparse = indexer_cfg(_spec(128, 1, 64, 576, 128, sparse=True), torch.bfloat16, False)
     assert (sparse.bm, sparse.hb, sparse.gp) == (1, 64, 64)
     mha = indexer_cfg(_spec(128, 128, 8, 192, 128), torch.bfloat16, False)

@@ -44,21 +44,21 @@ def _pow2(n: int) -> int:
 def indexer_cfg(spec: IndexerKLSpec, dtype: torch.dtype, interpret: bool) -> IndexerCfg:
     """Sparse rows gather their own keys, so a program holds one row (BM = 1) and stacks heads
     alone; dense programs hold BM = 2 rows, so the MQA teacher's GEMM is 2 x 64 heads = 128 rows
-    and the student's 2 x G (G = 64: 128) with its dqi accumulator [128, Di] in registers. Under
-    the interpreter the tiles are 16 wide, so the CPU tests cross key tiles, head-dim chunks and
-    head chunks."""
+    and the student's 2 x G (G = 64: 128) with its dqi accumulator [128, Di] in registers; 8
+    warps (two warpgroups) hold them without spilling where 4 spill. Under the interpreter the
+    tiles are 16 wide, so the CPU tests cross key tiles, head-dim chunks and head chunks."""
     bm = 1 if spec.sparse else 2
     least = 16 // bm
     if interpret:
         bn, bd, heads = 16, 16, 4
     elif dtype == torch.float32:
         bn, bd, heads = 32, 32, 32
-    else:
-        bn, bd, heads = 64, 64, 64
+    else:  # 32 keys: at 64 the step's main pass spills ~450 bytes a thread at sm_90 (ptxas -v)
+        bn, bd, heads = 32, 64, 64
     hb = max(min(_pow2(spec.group), heads), least)
     gp = max(_pow2(spec.index_heads), least)
     bd = min(bd, pow2_dim(spec.d))
-    return IndexerCfg(bm, bn, bd, hb, gp, 8 if not interpret and bm * max(hb, gp) >= 128 else 4, 1)
+    return IndexerCfg(bm, bn, bd, hb, gp, 4 if interpret else 8, 1)
 
 
 def _prec(dtype: torch.dtype) -> str:
