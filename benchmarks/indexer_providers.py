@@ -252,7 +252,7 @@ def megatron_indexer_kl(q, k, qi, ki, w, topk, *, scale: float, causal: bool, he
             s = (qc.reshape(b, 1, (h1 - h0) * sq, d) @ k.transpose(-1, -2)).view(b, h1 - h0, sq, sk)
         else:  # head hh reads key head hh // group
             s = qc @ k[:, torch.arange(h0, h1, device=q.device) // group].transpose(-1, -2)
-        s = s.float() * scale
+        s = s.float().mul_(scale)  # in place: 6 bytes an entry here (16-bit and float32), not 10
         s += mask[:, None]
         return torch.softmax(s, dim=-1, dtype=torch.float32).sum(1)
 
