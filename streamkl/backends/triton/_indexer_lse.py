@@ -56,7 +56,7 @@ def _indexer_lse_kernel(
     g_ok = g_slot < G
     g_row_ok = g_rows < q_len
     qi = load_rows(QI + b64 * sib + seq64 * sin, g_slot, g_rows, g_ok, g_row_ok, sig, sin, sid, 0, DI, DIP)
-    w_ptrs = W + b64 * swb + seq64 * swn + g_slot.to(tl.int64) * swg + g_rows * swn
+    w_ptrs = W + b64 * swb + seq64 * swn + g_slot.to(tl.int64) * swg + g_rows.to(tl.int64) * swn
     w_s = tl.load(w_ptrs, mask=g_ok & g_row_ok, other=0.0).to(tl.float32)
     m2 = tl.full([BM], float("-inf"), tl.float32)
     l2 = tl.zeros([BM], tl.float32)

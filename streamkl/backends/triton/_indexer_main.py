@@ -96,7 +96,7 @@ def _indexer_main_kernel(
     g_ok = g_slot < G
     g_row_ok = g_rows < q_len
     qi = load_rows(QI + b64 * sib + seq64 * sin, g_slot, g_rows, g_ok, g_row_ok, sig, sin, sid, 0, DI, DIP)
-    w_ptrs = W + b64 * swb + seq64 * swn + g_slot.to(tl.int64) * swg + g_rows * swn
+    w_ptrs = W + b64 * swb + seq64 * swn + g_slot.to(tl.int64) * swg + g_rows.to(tl.int64) * swn
     w_s = tl.load(w_ptrs, mask=g_ok & g_row_ok, other=0.0).to(tl.float32)
     KI_B = KI + b64 * skib + seq64 * skin
     offs_di = tl.arange(0, DIP)
@@ -115,13 +115,13 @@ def _indexer_main_kernel(
         )  # fmt: skip
         ki = load_keys(KI_B, key, ok, skin, skid, 0, DI, DIP)
         scores, zs = index_scores(qi, ki, w_s, GP, BM, BN, PREC_S)
-        log_q = scores - lse2[:, None]
+        log_q = tl.where(adm, scores - lse2[:, None], 0.0)  # log q where admitted (p > 0 only there)
         if WRITE_KL:
             mass += tl.sum(p, 1)
             pos = p > 0.0
             ratio += tl.sum(tl.where(pos, p * (tl.log(tl.where(pos, p, 1.0)) - log_q), 0.0), 1)
         if GRADS != 0:
-            q = tl.exp(tl.where(adm, log_q, float("-inf")))
+            q = tl.where(adm, tl.exp(log_q), 0.0)
             d_scores = stack(coef_a[:, None] * q - coef_b[:, None] * p, GP, BM, BN)
             if NEED_DW:
                 dw += tl.sum(d_scores * tl.maximum(zs, 0.0), 1)
