@@ -92,10 +92,12 @@ def indexer_kl(
     cu_seqlens, max_seqlen: packed sequences, as attn_kl (B == 1, Sq == Sk); topk indices are
     positions on the packed key axis.
     reduction: "mean" (default) over the rows that see a key, "sum", or "none" -> (B, Sq).
+    With "mean" or "sum" and a gradient needed, the gradients are formed in the forward and the
+    backward scales them (the triton backend streams the teacher once per training step).
     Rows that see no key (causal, all-padding topk, Sk = 0) give 0 and a zero gradient.
-    backend: "reference" or "auto" (only the reference implements this op so far); default:
-    STREAMKL_BACKEND, else auto. Returns float32 (float64 when q, qi or w is float64);
-    differentiable once (reverse mode) in qi, ki and w. The same op is
+    backend: "reference", "triton" (CUDA; float16/bfloat16/float32) or "auto" (triton on CUDA,
+    else the reference); default: STREAMKL_BACKEND, else auto. Returns float32 (float64 when
+    q, qi or w is float64); differentiable once (reverse mode) in qi, ki and w. The same op is
     torch.ops.streamkl.indexer_kl; docs/indexer.md states the math and the whole contract.
     """
     return _indexer_kl.indexer_kl(
