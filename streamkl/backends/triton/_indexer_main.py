@@ -15,7 +15,8 @@ the index scores I_j and log q_j = I_j - LSE2. Then, as asked:
              dz_g = dI w_g [z_g > 0] and dw_g += sum_j dI_j relu(z_g), dqi_g += dz_g @ ki (both
              per row, in registers), dki += dz^T @ qi (fp32 atomics: a key's rows live in many
              programs, and a key-major pass would recompute the teacher, the cost this pass exists
-             to pay once). ACCUMULATE adds dqi, dw to what the outputs hold (the correction).
+             to pay once). ACCUMULATE adds dqi, dw to what the outputs hold (the correction;
+             rows of no target mass there are set to 0).
 """
 
 from __future__ import annotations
@@ -141,13 +142,17 @@ def _indexer_main_kernel(
         tl.store(MASS + row_at, mass, mask=row_ok)
     out_at = (b64 * G + g_slot) * NQ + seq64 + g_rows  # (B, G, Sq) rows of dqi and dw
     out_ok = g_ok & g_row_ok
+    if ACCUMULATE:
+        # The correction's rows of no target mass (a = -1) have a zero gradient: their dqi, dw
+        # (their own) are set to 0, not cancelled to the rounding of the stored value.
+        keep = tl.load(COEF_A + b64 * NQ + seq64 + g_rows, mask=g_row_ok, other=0.0) == 0.0
     if NEED_DW:
         if ACCUMULATE:
-            dw += tl.load(DW + out_at, mask=out_ok, other=0.0).to(tl.float32)
+            dw = tl.where(keep, dw + tl.load(DW + out_at, mask=out_ok, other=0.0).to(tl.float32), 0.0)
         tl.store(DW + out_at, dw.to(DW.dtype.element_ty), mask=out_ok)
     if NEED_DQI:
         ptrs = DQI + out_at[:, None] * DI + offs_di[None, :]
         mask = out_ok[:, None] & (offs_di[None, :] < DI)
         if ACCUMULATE:
-            dqi += tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+            dqi = tl.where(keep[:, None], dqi + tl.load(ptrs, mask=mask, other=0.0).to(tl.float32), 0.0)
         tl.store(ptrs, dqi.to(DQI.dtype.element_ty), mask=mask)
