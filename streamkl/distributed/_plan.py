@@ -1,18 +1,22 @@
 """The plan of a context-parallel call, for any op whose per-row state over disjoint key sets
 merges exactly (attn_kl's (kl, lse1, lse2); docs/distributed.md, Merge):
 
-    Context          the group, this rank's place in it, the layout, how keys travel
+    Context          the group, this rank's place in it, how keys travel, every rank's runs of
+                     positions and the packed documents; the calls of each key block, planned
+                     once per call
     head_steps       runs of query heads and the key heads they read (GQA), bounding the keys
                      held at once
-    key_blocks       the blocks of keys this rank's queries meet, in sequence order
-    plan             the single-process calls that cover local query chunks against one block
-                     (causal prefixes, docs/distributed.md, Causal)
+    key_blocks       the blocks of keys this rank's queries meet: the whole sequence in position
+                     order (all-gather) or each rank's shard (ring)
+    plan_runs        the single-process calls that cover the local query runs against one
+                     block's key runs inside documents (docs/distributed.md, Causal); plan, the
+                     same for whole chunks
     run_forward      every call of every block, handed to the op's block runner
     run_backward     the same, routing each call's key gradients home (reduce-scatter or ring)
     merge_into       attn_kl's merge of partial (kl, lse1, lse2)
 
-An op plugs in a block runner: given a head step, a call and the key blocks, it runs its
-backend on the call's rows and key prefix. Key tensors are (B, H_kv, N_local, D) with the
+An op plugs in a block runner: given a head step, a call and the key blocks cut to the call's
+keys, it runs its backend on the call's rows and those keys. Key tensors are (B, H_kv, N_local, D) with the
 sequence on dim 2; query-side tensors are the runner's own business.
 """
 
@@ -42,8 +46,9 @@ class Context:
         self.group, self.world, self.rank = group, world, rank
         self.layout, self.comm = layout, comm
         self.runs_by_rank = runs_by_rank
-        self.offsets = offsets
+        self.offsets = None if offsets is None else tuple(offsets)
         self._index = None
+        self._calls: dict[tuple, list[Call]] = {}
 
     @property
     def local_chunks(self) -> tuple[int, ...]:
@@ -70,9 +75,12 @@ class Context:
     def calls(self, source: int | None, causal: bool) -> list[Call]:
         """The calls of this rank's queries against the keys of rank `source`'s shard, or of the
         whole sequence in position order (None)."""
-        keys = ((0, self.total),) if source is None else self.runs_by_rank[source]
-        offsets = None if self.offsets is None else tuple(self.offsets)
-        return plan_runs(self.runs_by_rank[self.rank], keys, causal, offsets)
+        calls = self._calls.get((source, causal))
+        if calls is None:
+            keys = ((0, self.total),) if source is None else self.runs_by_rank[source]
+            calls = plan_runs(self.runs_by_rank[self.rank], keys, causal, self.offsets)
+            self._calls[(source, causal)] = calls
+        return calls
 
 
 def context(group, layout: str, comm: str, runs_by_rank=None, offsets=None) -> Context:

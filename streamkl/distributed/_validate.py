@@ -183,8 +183,8 @@ def check_local_layout(layout, positions, cu_seqlens, max_seqlen, batch: int, n_
                 f"positions must be 1-D (N_local,) = ({n_local},), one global index per local "
                 f"token, got shape {tuple(positions.shape)}"
             )
-        if positions.device != device:
-            raise ValueError(f"positions is on {positions.device}; expected {device} like q1")
+        if positions.device != device and positions.device.type != "cpu":
+            raise ValueError(f"positions is on {positions.device}; expected {device} like q1, or the CPU")
         runs = _runs_cached(positions)
     offsets = None
     if cu_seqlens is not None:
