@@ -23,7 +23,15 @@ import torch.distributed as dist
 import streamkl
 from streamkl import distributed as cp
 
-FRAMEWORKS = ("megatron", "te-thd", "pytorch", "pytorch-ptrr", "ring-flash-attn", "ring-flash-attn-varlen")
+FRAMEWORKS = (
+    "megatron",
+    "te-thd",
+    "te-sbhd",
+    "pytorch",
+    "pytorch-ptrr",
+    "ring-flash-attn",
+    "ring-flash-attn-varlen",
+)
 
 
 def full_batch(args, n, device, gen):
@@ -77,6 +85,20 @@ def te_thd(args, world, rank, device, gen):
     got = cp.unshard(kl, positions=index, cu_seqlens=cu, dim=0)
     full_bhsd = [t.transpose(0, 1).unsqueeze(0) for t in full]
     want = streamkl.attn_kl(*full_bhsd, causal=True, cu_seqlens=cu)[0].transpose(0, 1)
+    return got, want
+
+
+def te_sbhd(args, world, rank, device, gen):
+    """TransformerEngine's sbhd format on one sequence: (N, B, H, D), the sequence cut as
+    Megatron cuts it (chunks r and 2P-1-r of 2P). attn_kl: layout="zigzag", qkv_format="sbhd"."""
+    n = 2 * world * 32
+    full = [t.transpose(0, 1).contiguous() for t in full_batch(args, n, device, gen)]  # (N, B, H, D)
+    local = [
+        torch.cat([t.chunk(2 * world, 0)[rank], t.chunk(2 * world, 0)[2 * world - 1 - rank]]) for t in full
+    ]
+    kl = cp.attn_kl(*local, causal=True, layout="zigzag", qkv_format="sbhd")  # (N_local, B, H)
+    got = cp.unshard(kl, "zigzag", dim=0)
+    want = streamkl.attn_kl(*(t.permute(1, 2, 0, 3) for t in full), causal=True).permute(2, 0, 1)
     return got, want
 
 
@@ -147,6 +169,7 @@ def ring_flash_attn_varlen(args, world, rank, device, gen):
 RUN = {
     "megatron": megatron,
     "te-thd": te_thd,
+    "te-sbhd": te_sbhd,
     "pytorch": pytorch,
     "pytorch-ptrr": pytorch_ptrr,
     "ring-flash-attn": ring_flash_attn,
