@@ -4,7 +4,8 @@ gathers from. The behaviour every backend shares runs in tests/test_indexer_kl.p
 
 Without a GPU the kernels run under the Triton interpreter (tests/conftest.py) on CPU tensors in
 float32, at 16-wide tiles: the cases cross key tiles, head-dim chunks, head chunks and padding
-heads, and cover each pair of (teacher, dense/sparse, causal, lse given) once. With a GPU the
+heads, and cover each pair of (teacher, dense/sparse, causal, lse given) once; a few random
+problems (packed, any lengths and head dims) look between them. With a GPU the
 `gpu` cases run the compiled kernels in bfloat16 and float16 at DeepSeek-V3.2-like shapes scaled
 down (H = 16..128 teacher heads, the 576-wide MQA key or 192-wide MHA keys, G = 8..64 indexer
 heads of 128), by the same rule.
@@ -17,6 +18,8 @@ import os
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 pytest.importorskip("triton")
 
@@ -209,3 +212,42 @@ def test_gpu_large_logits_and_long_rows():
                                      device="cuda", seed=3, std=3.0)  # fmt: skip
         call = _call(inputs, sparse=sparse, causal=True, lse=False, width=512, seed=3)
         _check_step(inputs, "sum", "triton", **call)
+
+
+@st.composite
+def _random_problems(draw):
+    """Any shape the kernels take: lengths across the 16-row tiles (1 included), head dims that
+    are not powers of two, MQA/GQA/MHA, layouts, dense or sparse, packed or not."""
+    hk = draw(st.sampled_from([1, 2, 4]))
+    packed = draw(st.booleans())
+    nq = draw(st.integers(1, 24))
+    nk = nq if packed else draw(st.integers(1, 24))
+    problem = dict(
+        b=1 if packed else draw(st.integers(1, 2)), h=hk * draw(st.sampled_from([1, 2])), hk=hk,
+        g=draw(st.integers(1, 9)), nq=nq, nk=nk, d=draw(st.integers(1, 40)), di=draw(st.integers(1, 20)),
+        layout=draw(st.sampled_from(["bhnd", "bnhd", "sbhd"])), seed=draw(st.integers(0, 2**31 - 1)),
+        std=draw(st.sampled_from([0.3, 1.0, 3.0])), device=DEVICE,
+    )  # fmt: skip
+    cut = sorted(draw(st.lists(st.integers(0, nq), max_size=3)))
+    cu = torch.tensor([0, *cut, nq], dtype=torch.int32, device=DEVICE) if packed else None
+    width = draw(st.one_of(st.none(), st.integers(0, nk + 2)))
+    options = dict(causal=draw(st.booleans()), lse=draw(st.booleans()), cu_seqlens=cu, width=width)
+    return problem, options
+
+
+@pytest.mark.skipif(
+    not INTERPRET, reason="random head dims compile new kernels on a GPU; the GPU grid covers it"
+)
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_random_problems(), st.sampled_from(["none", "sum"]))
+def test_random_problems_against_oracle(problem_and_options, reduction):
+    """Random problems through the op: per-row KL and the recompute backward, or the fused step."""
+    problem, options = problem_and_options
+    inputs = make_indexer_inputs(**problem)
+    width = options.pop("width")
+    sparse = width is not None
+    call = _call(inputs, sparse=sparse, width=width or 0, seed=problem["seed"], **options)
+    if reduction == "none":
+        _check(inputs, backend="triton", **call)
+    else:
+        _check_step(inputs, reduction, "triton", **call)
