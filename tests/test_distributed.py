@@ -157,6 +157,24 @@ def case_accuracy_rule(rank, world, *, dtype, comm, layout, causal, backend="ref
     expected.check_grads(full_grads, inputs)
 
 
+def case_rule_packed(rank, world, *, comm, backend):
+    """Per-document zigzag shards of packed documents, float32, held to the project's rule against
+    the float64 packed oracle: the blocks' keys start inside the gathered sequence or a shard
+    (key_start > 0), which every backend must read at that offset."""
+    cu = _documents(world)
+    n = int(cu[-1])
+    inputs = make_inputs(b=1, h=4, nq=n, nk=n, d1=16, d2=32, hk1=2, hk2=1, dtype=torch.float32, seed=7)
+    upstream = torch.randn(1, 4, n, generator=torch.Generator().manual_seed(8), dtype=torch.float64)
+    expected = Expected(inputs, causal=True, cu_seqlens=cu, grad=upstream)
+    pairs = [cp.shard_and_positions(t, "zigzag-per-document", cu_seqlens=cu) for t in inputs]
+    positions = pairs[0][1]
+    local = [shard.detach().requires_grad_() for shard, _ in pairs]
+    kl = cp.attn_kl(*local, causal=True, positions=positions, cu_seqlens=cu, comm=comm, backend=backend)
+    kl.backward(upstream.index_select(2, positions).to(kl.dtype))
+    expected.check_kl(cp.unshard(kl, positions=positions))
+    expected.check_grads([cp.unshard(t.grad, positions=positions) for t in local], inputs)
+
+
 def case_group_of_one(rank, world, *, layout, comm, causal):
     """A group of one rank is the plain op on the local (full) sequence, bit for bit."""
     groups = [dist.new_group([r]) for r in range(world)]
@@ -689,6 +707,8 @@ def _cases(world: int) -> list[tuple[str, str, dict]]:
             )
         if TRITON_ON_CPU:  # any backend runs the blocks: triton too, under its interpreter
             for comm in ("allgather", "ring"):
+                kwargs = dict(comm=comm, backend="triton")
+                cases.append((f"rule-packed-triton-{comm}", "case_rule_packed", kwargs))
                 kwargs = dict(dtype=torch.float32, comm=comm, layout="zigzag", causal=True, backend="triton")
                 cases.append((f"rule-triton-float32-{comm}", "case_accuracy_rule", kwargs))
         cases.append(
@@ -698,6 +718,7 @@ def _cases(world: int) -> list[tuple[str, str, dict]]:
                 dict(layout="contiguous", comm="ring", causal=False),
             )
         )
+    cases.append(("rule-packed-reference", "case_rule_packed", dict(comm="ring", backend="reference")))
     for dtype in (torch.bfloat16, torch.float32):
         for comm in ("allgather", "ring"):
             kwargs = dict(dtype=dtype, comm=comm, layout="zigzag", causal=True)
