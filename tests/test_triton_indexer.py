@@ -108,19 +108,19 @@ def _spec(h, hk, g, d, di, sparse=False, n=4096):
 
 
 def test_tiles_stack_heads_as_the_gemm_rows():
-    """DeepSeek-V3.2 on a GPU: dense programs of 2 rows stack 2 x 64 MQA heads (two chunks of
-    128) and 2 x 64 indexer heads into 128-row GEMMs; sparse programs hold one row, its 64 + 64
-    heads; an MHA teacher's chunk is one head padded to 8 (2 rows x 8 >= 16, tl.dot's least M)."""
+    """DeepSeek-V3.2 on a GPU: programs of one row stack its 128 MQA heads (one chunk) and its 64
+    indexer heads as the GEMMs' rows, dense or sparse, in one warpgroup; an MHA teacher's program
+    holds 2 rows and its chunk is one head padded to 8 (2 rows x 8 >= 16, tl.dot's least M)."""
     from streamkl.backends.triton._indexer_launch import indexer_cfg, plan
 
-    dense = indexer_cfg(_spec(128, 1, 64, 576, 128), torch.bfloat16, False)
-    assert (dense.bm, dense.hb, dense.gp, dense.bd, dense.bn, dense.num_warps) == (2, 64, 64, 64, 32, 8)
-    sparse = indexer_cfg(_spec(128, 1, 64, 576, 128, sparse=True), torch.bfloat16, False)
-    assert (sparse.bm, sparse.hb, sparse.gp) == (1, 64, 64)
+    for sparse in (False, True):
+        cfg = indexer_cfg(_spec(128, 1, 64, 576, 128, sparse=sparse), torch.bfloat16, False)
+        tiles = (cfg.bm, cfg.hb, cfg.gp, cfg.bd, cfg.bn, cfg.num_warps, cfg.num_stages)
+        assert tiles == (1, 128, 64, 64, 64, 4, 2)
     mha = indexer_cfg(_spec(128, 128, 8, 192, 128), torch.bfloat16, False)
-    assert (mha.hb, mha.gp) == (8, 8)
+    assert (mha.bm, mha.hb, mha.gp) == (2, 8, 8)
     p = plan(_spec(128, 1, 64, 576, 128), torch.bfloat16, torch.bfloat16, False)
-    assert p.grid == (2048, 1) and p.scalars[5:7] == (2, 2)  # 2 chunks a group, 2 in all
+    assert p.grid == (4096, 1) and p.scalars[5:7] == (1, 1)  # 1 chunk a group, 1 in all
 
 
 def test_supports_reasons(monkeypatch):

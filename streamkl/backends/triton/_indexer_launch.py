@@ -42,23 +42,30 @@ def _pow2(n: int) -> int:
 
 
 def indexer_cfg(spec: IndexerKLSpec, dtype: torch.dtype, interpret: bool) -> IndexerCfg:
-    """Sparse rows gather their own keys, so a program holds one row (BM = 1) and stacks heads
-    alone; dense programs hold BM = 2 rows, so the MQA teacher's GEMM is 2 x 64 heads = 128 rows
-    and the student's 2 x G (G = 64: 128) with its dqi accumulator [128, Di] in registers; 8
-    warps (two warpgroups) hold them without spilling where 4 spill. Under the interpreter the
-    tiles are 16 wide, so the CPU tests cross key tiles, head-dim chunks and head chunks."""
-    bm = 1 if spec.sparse else 2
+    """Where 16 or more teacher heads share a key head (MLA's absorbed MQA), a program holds one
+    query row and all of its heads up to 128: one [128, BD] x [BD, 64] GEMM per step, the student
+    G x 1 rows; one warpgroup (4 warps) and two stages, so two programs share an SM and hide
+    each other's loop starts (lab/notes/indexer_log.md: 1.9x the forward and 2.4x the training
+    step of the two-warpgroup, 32-key, one-stage tiles at 4K, and the same in sparse mode).
+    Sparse rows gather their own keys, so they always hold one row. Otherwise (MHA, small
+    groups) a program holds two rows, so the student's GEMM is 2 x G rows, with 8 warps and 32
+    keys (at 64 its main pass spills at sm_90) and three stages. Under the interpreter the tiles
+    are 16 wide, so the CPU tests cross key tiles, head-dim chunks and head chunks."""
+    wide = spec.group >= 16
+    bm = 1 if spec.sparse or wide else 2
     least = 16 // bm
     if interpret:
-        bn, bd, heads = 16, 16, 4
+        bn, bd, heads, warps, stages = 16, 16, 4, 4, 1
     elif dtype == torch.float32:
-        bn, bd, heads = 32, 32, 32
-    else:  # 32 keys: at 64 the step's main pass spills ~450 bytes a thread at sm_90 (ptxas -v)
-        bn, bd, heads = 32, 64, 64
+        bn, bd, heads, warps, stages = 32, 32, 32, 8, 1
+    elif wide or spec.sparse:
+        bn, bd, heads, warps, stages = 64, 64, 128, 4, 2
+    else:
+        bn, bd, heads, warps, stages = 32, 64, 64, 8, 3
     hb = max(min(_pow2(spec.group), heads), least)
     gp = max(_pow2(spec.index_heads), least)
     bd = min(bd, pow2_dim(spec.d))
-    return IndexerCfg(bm, bn, bd, hb, gp, 4 if interpret else 8, 1)
+    return IndexerCfg(bm, bn, bd, hb, gp, warps, stages)
 
 
 def _prec(dtype: torch.dtype) -> str:
@@ -211,15 +218,15 @@ def forward(spec: IndexerKLSpec, inputs: IndexerKLInputs) -> IndexerKLStats:
     return IndexerKLStats(kl, lse, lse2, mass)
 
 
-def _grad_outputs(spec: IndexerKLSpec, inputs: IndexerKLInputs, dki_dtype: torch.dtype):
-    """(dqi, dki accumulator, dw) where spec.needs asks: dqi, dw in their inputs' dtypes (each row
-    written once), dki a zeroed float32 buffer (atomics)."""
+def _grad_outputs(spec: IndexerKLSpec, inputs: IndexerKLInputs, dtype: torch.dtype | None):
+    """(dqi, dki accumulator, dw) where spec.needs asks: dki a zeroed float32 buffer (atomics);
+    dqi, dw (each row written once) in `dtype`, None: their inputs' dtypes."""
     qi, ki, w = inputs.qi, inputs.ki, inputs.w
     need_dqi, need_dki, need_dw = spec.needs
     alloc = torch.zeros if _empty(spec) else torch.empty
-    dqi = alloc(qi.shape, device=qi.device, dtype=qi.dtype) if need_dqi else None
-    dki = torch.zeros(ki.shape, device=ki.device, dtype=dki_dtype) if need_dki else None
-    dw = alloc(w.shape, device=w.device, dtype=w.dtype) if need_dw else None
+    dqi = alloc(qi.shape, device=qi.device, dtype=dtype or qi.dtype) if need_dqi else None
+    dki = torch.zeros(ki.shape, device=ki.device, dtype=torch.float32) if need_dki else None
+    dw = alloc(w.shape, device=w.device, dtype=dtype or w.dtype) if need_dw else None
     return dqi, dki, dw
 
 
@@ -227,7 +234,7 @@ def backward(
     spec: IndexerKLSpec, inputs: IndexerKLInputs, stats: IndexerKLStats, grad_kl: torch.Tensor
 ) -> IndexerKLGrads:
     """The backend's backward: the main pass again, dI = g (softmax(I) [T > 0] - p / T)."""
-    dqi, dki, dw = _grad_outputs(spec, inputs, torch.float32)
+    dqi, dki, dw = _grad_outputs(spec, inputs, None)
     if _empty(spec) or not any(spec.needs):
         return IndexerKLGrads(dqi, None if dki is None else dki.to(inputs.ki.dtype), dw)
     kl, lse, lse2, mass = (t.to(torch.float32).contiguous() for t in stats)
@@ -245,7 +252,8 @@ def forward_with_grads(spec: IndexerKLSpec, inputs: IndexerKLInputs) -> tuple[In
     streamed once: dI = q - p is exact where T = 1, which holds (to rounding) when this call
     computes lse. With a given lse, a correction pass adds -q on rows of no target mass and
     -(1/T - 1) p where T differs from 1 by more than a quarter of the inputs' rounding; its
-    programs whose rows need nothing exit at once."""
+    programs whose rows need nothing exit at once. dqi and dw stay float32: the op scales them
+    by the upstream gradient (over the rows for "mean"), so they are rounded to 16 bits once."""
     dqi, dki, dw = _grad_outputs(spec, inputs, torch.float32)
     if _empty(spec):
         return _empty_stats(spec, inputs), IndexerKLGrads(dqi, dki, dw)
