@@ -169,6 +169,42 @@ def headline(data: dict, sweeps: list[str] | None = None) -> str:
     return table([*header, "speed-up", "fp32 baselines, ms (exact, not competitors)"], rows)
 
 
+# The StreamKL paper's forward speed-ups over its baselines (torch.compile and FLA's fused KL), by mask.
+PAPER_FWD_CLAIMS = {False: "2.4-3.7x", True: "4.2-7.1x"}
+PAPER_BASELINES = ("torch.compile-bf16", "fla-fused-kl")
+
+
+def paper_table(data: dict) -> str:
+    """The paper's comparison rows beside this run's: per attn_kl case and mode, streamkl's fastest
+    backend against torch.compile's dense formula and FLA's fused KL measured in the same run (a
+    baseline that did not run shows why, shortened), with the paper's claimed forward range."""
+    groups = collections.defaultdict(list)
+    for r in data["records"]:
+        if not is_indexer(r["case"]):
+            groups[r["sweep"], r["case_key"], r["mode"]].append(r)
+    rows = []
+    for (sweep, _, mode), recs in groups.items():
+        ok = [r for r in recs if r["kind"] == "streamkl" and r["status"] == "ok"]
+        ok.sort(key=lambda r: r["ms"])
+        if not ok:
+            continue
+        ours, cells = ok[0], []
+        for name in PAPER_BASELINES:
+            base = next((r for r in recs if r["provider"] == name), None)
+            if base is None:
+                cells += ["not run", "—"]
+            elif base["status"] != "ok":
+                why = (base.get("reason") or base["status"]).split(":")[0].split(".")[0]
+                cells += [f"{time_cell(base)} ({why[:60]})", "—"]
+            else:
+                cells += [fmt_ms(base["ms"]), f"{base['ms'] / ours['ms']:.2f}x"]
+        claim = PAPER_FWD_CLAIMS[ours["case"]["causal"]] if mode == "fwd" else "—"
+        name = ours["provider"].removeprefix("streamkl-")
+        rows.append([sweep, case_name(ours["case"]), mode, f"{name} {fmt_ms(ours['ms'])}", *cells, claim])
+    header = ["sweep", "case", "mode", "streamkl, ms", "torch.compile, ms", "speed-up", "FLA, ms", "speed-up"]
+    return table([*header, "paper's claim (fwd)"], rows)
+
+
 SOFTWARE = {  # environment key: how the runs table names it (keys a run lacks are left out)
     "torch": "torch",
     "triton": "triton",
@@ -411,12 +447,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", help="folder for results.md and the PNGs (default: the JSON's folder)")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--readme", help="rewrite this README's headline block from the JSON instead")
+    p.add_argument("--paper", action="store_true", help="print the paper-comparison table of the JSON")
     p.add_argument(
         "--sweeps",
         help="with --readme: the sweeps the headline shows, e.g. n,decode or n:4K+16K,decode:16x32K",
     )
     args = p.parse_args(argv)
     paths = [Path(j) for j in args.json]
+    if args.paper:
+        print(paper_table(merge([load(path) for path in paths])), end="")
+        return 0
     if args.readme:
         if len(paths) != 1:
             p.error("--readme takes one JSON (merge runs into one first)")

@@ -257,6 +257,34 @@ def test_readme_headline_blocks_match_their_json():
     assert report.stale_readme_blocks(ROOT / "README.md") == []
 
 
+def test_paper_table_sets_streamkl_against_the_papers_baselines():
+    """report.paper_table: per case and mode, streamkl's fastest backend over torch.compile's and
+    FLA's times from the same run, a baseline that did not run shown with its reason, and the
+    paper's claimed forward range by mask (none for a training step)."""
+
+    def rec(provider, kind, causal, mode, ms=None, status="ok", reason=None):
+        case = dict(b=1, h=32, nq=4096, nk=4096, d1=128, d2=128, causal=causal, dtype="bfloat16", label="")
+        r = dict(sweep="n", case=case, case_key=f"4K causal={int(causal)}", provider=provider, kind=kind,
+                 mode=mode, status=status, ms=ms)  # fmt: skip
+        return r if reason is None else dict(r, reason=reason)
+
+    records = [
+        rec("streamkl-cuda", "streamkl", False, "fwd", 1.0),
+        rec("streamkl-triton", "streamkl", False, "fwd", 1.5),
+        rec("torch.compile-bf16", "baseline", False, "fwd", 3.0),
+        rec("fla-fused-kl", "baseline", False, "fwd", 5.0),
+        rec("streamkl-triton", "streamkl", True, "train", 2.0),
+        rec("torch.compile-bf16", "baseline", True, "train", 9.0),
+        rec("fla-fused-kl", "baseline", True, "train", status="n/a", reason="no causal mask: FLA has none"),
+    ]
+    lines = report.paper_table(dict(records=records)).splitlines()
+    assert lines[0].startswith("| sweep | case | mode | streamkl, ms | torch.compile, ms")
+    assert lines[2] == "| n | 4K full bf16 | fwd | cuda 1.00 | 3.00 | 3.00x | 5.00 | 5.00x | 2.4-3.7x |"
+    causal = "| n | 4K causal bf16 | train | triton 2.00 | 9.00 | 4.50x | n/a (no causal mask) | — | — |"
+    assert lines[3] == causal
+    assert len(lines) == 4
+
+
 def test_readme_block_is_generated_from_the_json_it_names(smoke_run, tmp_path):
     out, data = smoke_run
     run_json = tmp_path / "docs" / "run" / "results.json"
