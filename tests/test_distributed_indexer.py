@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import datetime
+import itertools
 import math
 import os
 import queue as queue_module
@@ -230,20 +231,24 @@ def case_one_validation_per_call(rank, world):
 
 
 def case_compiled(rank, world, *, compiler):
-    """torch.compile(fullgraph=True) traces a loss that calls indexer_kl; compiled and eager
-    agree. The cross-rank checks run inside the op at run time: shards of unequal length raise on
-    every rank."""
+    """torch.compile(fullgraph=True) traces a loss that calls indexer_kl with positions and packed
+    documents; compiled and eager agree. The cross-rank checks run inside the op at run time:
+    shards that do not add up to cu_seqlens raise on every rank."""
     torch._dynamo.reset()
-    inputs, call, _ = _problem(world, teacher="mqa", sparse=True, given_lse=True, causal=True, seed=3)
-    q, k, *students = (cp.shard(t, "zigzag") for t in inputs)
+    n = 6 * world
+    cu = _documents(n)
+    inputs, call, _ = _packed_problem(n, sparse=True, given_lse=True, causal=True, cu_seqlens=cu, seed=3)
+    positions = torch.tensor(_cuts(world, n, seed=3)["zigzag"][rank])
+    q, k, *students = (t.index_select(2, positions) for t in inputs)
     students = [t.requires_grad_() for t in students]
-    local_call = _shard_call(call, "zigzag", None)
 
-    def loss(q, k, qi, ki, w, lse, topk):
-        kl = cp.indexer_kl(q, k, qi * 1.5, ki, w, lse=lse, topk=topk, scale=0.4, backend="reference")
+    def loss(q, k, qi, ki, w, lse, topk, positions):
+        kl = cp.indexer_kl(q, k, qi * 1.5, ki, w, lse=lse, topk=topk, scale=0.4, positions=positions,
+                           cu_seqlens=cu, backend="reference")  # fmt: skip
         return kl * 2.0
 
-    tensors = (q, k, *students, local_call["lse"], local_call["topk"])
+    lse, topk = call["lse"].index_select(2, positions), call["topk"].index_select(1, positions)
+    tensors = (q, k, *students, lse, topk, positions)
     compiled = torch.compile(loss, fullgraph=True, backend=compiler)
     got = compiled(*tensors)
     got.backward()
@@ -253,12 +258,236 @@ def case_compiled(rank, world, *, compiler):
     want = loss(*tensors)
     want.backward()
     length = 4 if rank == 0 else 6
-    uneven = [t.detach()[:, :, :length] for t in tensors[:5]] + [tensors[5][:, :, :length], None]
-    with _raises(ValueError, "local sequence length differs across ranks"):
+    uneven = [t.detach()[:, :, :length] for t in tensors[:6]] + [None, positions[:length]]
+    with _raises(ValueError, f"cu_seqlens ends at {n}, but the ranks' shards hold"):
         compiled(*uneven)
     _assert_close(got, want, "compiled loss")
     for g, t in zip(got_grads, students):
         _assert_close(g, t.grad, "compiled grad")
+
+
+# --- positions, documents, unequal shards, formats, meshes ------------------------------------
+
+# Each kind of tensor stored as a qkv_format lays it out, and back to the canonical order: the
+# format's axes less those a tensor lacks (docs/distributed.md, indexer_kl). "heads": q, qi and
+# 4-D keys (B, H, N, D); "per_head": w, lse (B, G, N); "tokens": topk and headless keys (B, N, K);
+# "rows": the KL (B, N).
+_FORMATS = {
+    "bhsd": {kind: (lambda t: t, lambda t: t) for kind in ("heads", "per_head", "tokens", "rows")},
+    "bshd": {
+        "heads": (lambda t: t.transpose(1, 2), lambda t: t.transpose(1, 2)),
+        "per_head": (lambda t: t.transpose(1, 2), lambda t: t.transpose(1, 2)),
+        "tokens": (lambda t: t, lambda t: t),
+        "rows": (lambda t: t, lambda t: t),
+    },
+    "sbhd": {
+        "heads": (lambda t: t.permute(2, 0, 1, 3), lambda t: t.permute(1, 2, 0, 3)),
+        "per_head": (lambda t: t.permute(2, 0, 1), lambda t: t.permute(1, 2, 0)),
+        "tokens": (lambda t: t.transpose(0, 1), lambda t: t.transpose(0, 1)),
+        "rows": (lambda t: t.transpose(0, 1), lambda t: t.transpose(0, 1)),
+    },
+    "thd": {
+        "heads": (lambda t: t[0].transpose(0, 1), lambda t: t.transpose(0, 1).unsqueeze(0)),
+        "per_head": (lambda t: t[0].transpose(0, 1), lambda t: t.transpose(0, 1).unsqueeze(0)),
+        "tokens": (lambda t: t[0], lambda t: t.unsqueeze(0)),
+        "rows": (lambda t: t[0], lambda t: t.unsqueeze(0)),
+    },
+}
+
+
+def _documents(n: int) -> torch.Tensor:
+    """Documents of the whole sequence (n >= 12): [0, 2) inside the first shard of every cut
+    here, an empty one, [2, 7) and [7, n) crossing shards."""
+    return torch.tensor([0, 2, 2, 7, n], dtype=torch.int32)
+
+
+def _packed_problem(n, *, b=1, teacher="mqa", sparse, given_lse, causal, cu_seqlens, seed):
+    """Full-sequence inputs of n tokens (identical on every rank), the single-process call
+    (cu_seqlens, topk of global positions: each row's own position first, so every row that
+    keeps it sees a key, then random positions anywhere, other documents' included) and an
+    upstream gradient for the rows."""
+    inputs = make_indexer_inputs(b=b, h=4, hk=TEACHERS[teacher], g=3, nq=n, nk=n, d=8, di=6,
+                                 dtype=torch.float64, seed=seed, std=1.5)  # fmt: skip
+    call = {"causal": causal, "scale": 0.4, "cu_seqlens": cu_seqlens}
+    if sparse:
+        topk = random_topk(b, n, n, 5, seed=seed + 2)
+        topk[:, :, 0] = torch.arange(n)
+        topk[0, n - 1] = -1  # a row whose set is padding only: no key, outside the mean
+        call["topk"] = topk
+    if given_lse:
+        call["lse"] = dense_indexer_kl(*inputs, **call)[1]
+    upstream = torch.randn(b, n, generator=torch.Generator().manual_seed(seed + 1), dtype=torch.float64)
+    return inputs, call, upstream
+
+
+def _check_cut(
+    group, problem, positions_by_rank, *, layout=None, pass_positions=True, qkv_format="bhsd",
+    headless=False, reduction="none", needs=(True, True, True), what="",
+):  # fmt: skip
+    """indexer_kl on this rank's tokens at positions_by_rank[rank] (any layout, any lengths),
+    stored as qkv_format lays them out, against the single-process (packed) op: the local rows'
+    KL and the gradients of `needs`, at RTOL; a reduction the same on every rank. `group` as
+    the call takes it (a ProcessGroup, a DeviceMesh, (mesh, name) or None)."""
+    inputs, call, upstream = problem
+    resolved = cp._comm.resolve_group(group)
+    index = torch.tensor(positions_by_rank[dist.get_rank(resolved)], dtype=torch.int64)
+    want, want_grads = _single_process(inputs, call, upstream, needs, reduction)
+    to, back = {k: v[0] for k, v in _FORMATS[qkv_format].items()}, _FORMATS[qkv_format]
+    q, k, qi, ki, w = (t.detach().index_select(2, index) for t in inputs)
+    key_kind = "heads"
+    if headless:  # the keys of one head as (B, N, D), the format's axes less H
+        k, ki, key_kind = k[:, 0], ki[:, 0], "tokens"
+    kinds = ("heads", key_kind, "heads", key_kind, "per_head")
+    stored = [to[kind](t).contiguous() for kind, t in zip(kinds, (q, k, qi, ki, w))]
+    students = [t.requires_grad_(need) for t, need in zip(stored[2:], needs)]
+    local = {}
+    if call.get("lse") is not None:
+        local["lse"] = to["per_head"](call["lse"].index_select(2, index)).contiguous()
+    if call.get("topk") is not None:  # its rows, its values (global positions) untouched
+        local["topk"] = to["tokens"](call["topk"].index_select(1, index)).contiguous()
+    got = cp.indexer_kl(
+        *stored[:2], *students, **local, group=group, causal=call["causal"], scale=call["scale"],
+        cu_seqlens=call.get("cu_seqlens"), layout=layout, positions=index if pass_positions else None,
+        qkv_format=qkv_format, reduction=reduction, backend="reference",
+    )  # fmt: skip
+    # every collective runs before any check, so a failing check leaves no rank waiting
+    if reduction == "none":
+        got.backward(to["rows"](upstream.index_select(1, index)))
+        got, want = back["rows"][1](got), want.index_select(1, index)
+    else:
+        got.backward()
+        values = [None] * dist.get_world_size(resolved)
+        dist.all_gather_object(values, got.item(), group=resolved)
+        assert len(set(values)) == 1, f"{what}: {reduction} differs across ranks: {values}"
+    _assert_close(got, want, f"kl ({what})")
+    for name, t, kind, want_grad in zip(("dqi", "dki", "dw"), students, kinds[2:], want_grads):
+        if want_grad is None:
+            assert t.grad is None, f"{name} was not requested ({what})"
+            continue
+        assert t.grad.dtype == t.dtype, (name, t.grad.dtype)
+        want_shard = want_grad.index_select(2, index)
+        _assert_close(back[kind][1](t.grad).reshape(want_shard.shape), want_shard, f"{name} ({what})")
+
+
+def _cuts(world: int, n: int, seed: int) -> dict:
+    """Every rank's positions under the cuts the tests run: zigzag, contiguous, and a random
+    permutation cut into shards of different lengths, the second one empty."""
+    c = n // (2 * world)
+    zigzag = [
+        [*range(r * c, (r + 1) * c), *range((2 * world - 1 - r) * c, (2 * world - r) * c)]
+        for r in range(world)
+    ]
+    size = n // world
+    contiguous = [list(range(r * size, (r + 1) * size)) for r in range(world)]
+    lengths = [5, 0, n - 5 - 3 * (world - 3)] + [3] * (world - 3) if world > 2 else [n, 0]
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+    starts = list(itertools.accumulate([0, *lengths]))
+    permutation = [perm[starts[r] : starts[r + 1]] for r in range(world)]
+    return {"zigzag": zigzag, "contiguous": contiguous, "permutation": permutation}
+
+
+def case_positions_and_documents(rank, world):
+    """positions= of zigzag and contiguous cuts equal to layout= by name; packed documents of
+    the whole sequence (one inside a shard, one empty, two crossing shards) under zigzag,
+    contiguous and per-rank positions; a random permutation in shards of different lengths, one
+    empty; the uneven contiguous cut by name. Dense and sparse, causal and not, lse given and
+    computed, the three reductions, every gradient or some: all against the single-process op."""
+    n = 6 * world
+    cu = _documents(n)
+    cuts = _cuts(world, n, seed=30 + world)
+    # (cut, by name, documents, causal, sparse): every cut dense and sparse, packed and not
+    combos = [
+        ("zigzag", True, None, True, False),
+        ("zigzag", False, None, True, True),
+        ("contiguous", True, None, False, True),
+        ("contiguous", False, None, True, False),
+        ("zigzag", False, cu, True, True),
+        ("zigzag", True, cu, False, False),
+        ("contiguous", True, cu, True, False),
+        ("contiguous", False, cu, False, True),
+        ("permutation", False, None, False, False),
+        ("permutation", False, cu, True, True),
+    ]
+    reductions = ["none", "mean", "sum"]
+    needs = [(True, True, True), (False, True, False), (True, False, True)]
+    for i, (cut, named, docs, causal, sparse) in enumerate(combos):
+        what = f"{cut} {'by name' if named else 'positions'} {'packed' if docs is not None else ''} {i=}"
+        problem = _packed_problem(n, teacher=list(TEACHERS)[i % 3], sparse=sparse, given_lse=i % 2 == 1,
+                                  causal=causal, cu_seqlens=docs, seed=40 + i)  # fmt: skip
+        _check_cut(
+            None, problem, cuts[cut], layout=cut if named else None, pass_positions=not named,
+            headless=i % 3 == 0, reduction=reductions[i % 3], needs=needs[(i // 3) % 3], what=what,
+        )  # fmt: skip
+    # torch.chunk's contiguous cut of a length the ranks do not divide: shards of different lengths
+    n = 4 * world + 1
+    size = -(-n // world)
+    uneven = [list(range(min(r * size, n), min((r + 1) * size, n))) for r in range(world)]
+    for causal, sparse in ((True, True), (False, False)):
+        problem = _packed_problem(n, sparse=sparse, given_lse=False, causal=causal, cu_seqlens=None, seed=50)
+        _check_cut(None, problem, uneven, layout="contiguous", pass_positions=False, what="uneven contiguous")
+
+
+def case_qkv_formats(rank, world):
+    """qkv_format "bshd", "sbhd" and "thd" for every tensor (w, lse without D; topk and headless
+    keys without H; the KL (B, N) as the format orders it), stored contiguously in that format."""
+    n = 6 * world
+    cuts = _cuts(world, n, seed=60)
+    cu = _documents(n)
+    # (format, batch, documents, cut, by name, headless keys, sparse, lse given, reduction)
+    combos = [
+        ("bshd", 2, None, "zigzag", True, False, True, False, "none"),
+        ("sbhd", 2, None, "contiguous", False, True, False, True, "none"),
+        ("sbhd", 2, None, "zigzag", True, False, True, True, "mean"),
+        ("thd", 1, cu, "permutation", False, True, True, False, "none"),
+        ("thd", 1, cu, "zigzag", False, False, False, True, "none"),
+    ]
+    for i, (fmt, b, docs, cut, named, headless, sparse, given_lse, reduction) in enumerate(combos):
+        problem = _packed_problem(n, b=b, teacher="mqa" if headless else "gqa", sparse=sparse,
+                                  given_lse=given_lse, causal=True, cu_seqlens=docs, seed=70 + i)  # fmt: skip
+        _check_cut(
+            None, problem, cuts[cut], layout=cut if named else None, pass_positions=not named,
+            qkv_format=fmt, headless=headless, reduction=reduction, what=f"{fmt} {cut} {i=}",
+        )  # fmt: skip
+
+
+def case_device_mesh(rank, world):
+    """group= as a 1-D DeviceMesh, and (world 4) as (mesh, "cp") of a 2-D mesh: two sequences,
+    each on its own two ranks."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    meshes = [(init_device_mesh("cpu", (world,), mesh_dim_names=("cp",)), 0)]
+    if world == 4:
+        mesh2 = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
+        meshes.append(((mesh2, "cp"), mesh2.get_local_rank("dp")))
+    for group, dp in meshes:
+        size = dist.get_world_size(cp._comm.resolve_group(group))
+        n = 6 * size
+        problem = _packed_problem(n, sparse=True, given_lse=False, causal=True, cu_seqlens=_documents(n),
+                                  seed=80 + dp)  # fmt: skip
+        _check_cut(group, problem, _cuts(size, n, seed=81)["permutation"], what=f"mesh {dp=}")
+
+
+def case_rule_packed(rank, world, *, backend):
+    """float32 shards of packed documents at positions of a permutation cut (one shard empty),
+    sparse and causal, held to the project's rule against the float64 packed oracle: the blocks'
+    keys start inside the gathered sequence (key_start > 0), which every backend must read at
+    that offset, and topk's positions in other documents must become padding."""
+    n = 8 * world
+    cu = torch.tensor([0, 3, 3, 11, n], dtype=torch.int32)
+    inputs = make_indexer_inputs(b=1, h=4, hk=1, g=3, nq=n, nk=n, d=16, di=8, dtype=torch.float32, seed=9)
+    topk = random_topk(1, n, n, 6, seed=10)
+    topk[:, :, 0] = torch.arange(n)
+    call = {"causal": True, "topk": topk, "cu_seqlens": cu}
+    upstream = torch.randn(1, n, generator=torch.Generator().manual_seed(11), dtype=torch.float64)
+    expected = Expected(inputs, grad=upstream, **call)
+    positions = torch.tensor(_cuts(world, n, seed=12)["permutation"][rank], dtype=torch.int64)
+    q, k, *students = (t.index_select(2, positions) for t in inputs)
+    students = [t.requires_grad_() for t in students]
+    kl = cp.indexer_kl(q, k, *students, causal=True, topk=topk.index_select(1, positions), cu_seqlens=cu,
+                       positions=positions, reduction="none", backend=backend)  # fmt: skip
+    kl.backward(upstream.index_select(1, positions).to(kl.dtype))
+    expected.check_kl(cp.unshard(kl, dim=1, positions=positions))
+    expected.check_grads([cp.unshard(t.grad, positions=positions) for t in students], inputs)
 
 
 def _good_shards(n_local=6):
@@ -281,7 +510,18 @@ BAD_INPUTS = {
     "requires_grad_differs": (ValueError, "requires_grad differs across ranks"),
     "unknown_layout": (ValueError, "layout must be one of"),
     "layout_not_str": (TypeError, "layout must be a str"),
-    "cu_seqlens": (ValueError, "packed sequences are not supported by streamkl.distributed.indexer_kl"),
+    "cu_seqlens_of_a_shard": (cp.LayoutError, "cu_seqlens ends at 6, but the ranks' shards hold"),
+    "max_seqlen_short": (ValueError, "max_seqlen must be an int of at least the longest document"),
+    "document_not_split": (cp.LayoutError, "document 0 of cu_seqlens ([0, 3)) has 3 tokens"),
+    "positions_twice": (cp.LayoutError, "is held more than once"),
+    "positions_contradict_layout": (cp.LayoutError, "positions contradict layout='zigzag'"),
+    "positions_wrong_length": (ValueError, "positions must be 1-D (N_local,) = (6,)"),
+    "positions_on_one_rank": (ValueError, "positions given differs across ranks"),
+    "topk_below_padding_on_one_rank": (ValueError, "topk holds the index -2"),
+    "dtensor": (TypeError, "is a DTensor; streamkl.distributed.indexer_kl takes this rank's shard"),
+    "mesh_2d": (ValueError, "does not say which dimension"),
+    "unknown_qkv_format": (ValueError, "qkv_format must be one of"),
+    "w_not_in_format": (ValueError, "w must be 3-D (bsh) under qkv_format='bshd'"),
     "w_shape_on_one_rank": (ValueError, "w must be (B, G, Sq)"),
     "device_type_differs": (ValueError, "device type differs across ranks"),
     "queries_and_keys_differ": (ValueError, "same token range of queries and keys"),
@@ -319,8 +559,36 @@ def case_bad_input(rank, world, *, which):
         kw["layout"] = "striped"
     elif which == "layout_not_str":
         kw["layout"] = 2
-    elif which == "cu_seqlens":
+    elif which == "cu_seqlens_of_a_shard":
         kw["cu_seqlens"] = torch.tensor([0, 6], dtype=torch.int32)
+    elif which == "max_seqlen_short":
+        kw["cu_seqlens"], kw["max_seqlen"] = torch.tensor([0, n], dtype=torch.int32), 2
+    elif which == "document_not_split":
+        kw["layout"] = "zigzag-per-document"
+        kw["cu_seqlens"] = torch.tensor([0, 3, n], dtype=torch.int32)
+    elif which == "positions_twice":  # every rank claims the first tokens
+        kw["positions"] = torch.arange(6)
+    elif which == "positions_contradict_layout":
+        kw["layout"], kw["positions"] = "zigzag", torch.arange(6) + 6 * rank
+    elif which == "positions_wrong_length":
+        kw["positions"] = torch.arange(5)
+    elif which == "positions_on_one_rank" and rank == 0:
+        kw["positions"] = torch.arange(6)
+    elif which == "topk_below_padding_on_one_rank":
+        kw["topk"] = torch.full((1, 6, 2), -1 - (rank == 0), dtype=torch.int64)
+    elif which == "dtensor":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Replicate, distribute_tensor
+
+        args["qi"] = distribute_tensor(args["qi"], init_device_mesh("cpu", (world,)), [Replicate()])
+    elif which == "mesh_2d":
+        from torch.distributed.device_mesh import init_device_mesh
+
+        kw["group"] = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "cp"))
+    elif which == "unknown_qkv_format":
+        kw["qkv_format"] = "bnhd"
+    elif which == "w_not_in_format":
+        kw["qkv_format"], args["w"] = "bshd", args["w"][:, 0]
     elif which == "w_shape_on_one_rank" and rank == 0:
         args["w"] = args["w"][:, :2]
     elif which == "device_type_differs" and rank == 0:
@@ -414,6 +682,13 @@ def _cases(world: int) -> list[tuple[str, str, dict]]:
         )
         name = f"{layout}-{'causal' if causal else 'full'}-{'sparse' if sparse else 'dense'}"
         cases.append((f"{name}-{kwargs['teacher']}-{kwargs['reduction']}", "case_against_single", kwargs))
+    cases.append(("positions-and-documents", "case_positions_and_documents", {}))
+    if world in (2, 3):
+        cases.append(("qkv-formats", "case_qkv_formats", {}))
+    if world in (2, 4):  # 4: a 2-D mesh's "cp" dimension too
+        cases.append(("device-mesh", "case_device_mesh", {}))
+    if world == 3:
+        cases.append(("rule-packed-float32", "case_rule_packed", dict(backend="reference")))
     for which in BAD_INPUTS:
         cases.append((f"bad-{which}", "case_bad_input", dict(which=which)))
     if world == 2:
@@ -426,6 +701,7 @@ def _cases(world: int) -> list[tuple[str, str, dict]]:
         if TRITON_ON_CPU:  # any backend runs the blocks: triton too, under its interpreter
             kwargs = dict(dtype=torch.float32, layout="zigzag", backend="triton")
             cases.append(("rule-triton-float32-zigzag", "case_accuracy_rule", kwargs))
+            cases.append(("rule-triton-float32-packed", "case_rule_packed", dict(backend="triton")))
     for dtype in (torch.bfloat16, torch.float32):
         layout = "zigzag" if world % 2 else "contiguous"
         kwargs = dict(dtype=dtype, layout=layout)

@@ -1,9 +1,9 @@
 """Context parallelism: streamkl.attn_kl and streamkl.indexer_kl over one sequence sharded
 across the ranks of a torch.distributed group (docs/distributed.md).
 
-    attn_kl(q1, k1, q2, k2, *, group, causal, layout, comm, ...)   each rank passes its shard
-    indexer_kl(q, k, qi, ki, w, *, group, lse, topk, layout, ...)  likewise (all-gather form)
-    shard(x, layout) / unshard(x, layout)                           full tensor <-> local shard
+    attn_kl(q1, k1, q2, k2, *, group, causal, layout, positions, comm, ...)  each rank passes its shard
+    indexer_kl(q, k, qi, ki, w, *, group, lse, topk, layout, positions, ...)  likewise (all-gather form)
+    shard(x, layout) / unshard(x, layout)                                     full tensor <-> local shard
 
 The package, one concern a module:
 
@@ -13,7 +13,8 @@ The package, one concern a module:
                forward and backward drivers over them, the merge of partial states
     _comm      the process group, all-gather / reduce-scatter, the point-to-point ring
     _ops       attn_kl's block runners, its custom ops (streamkl::cp_attn_kl_fwd / cp_attn_kl_bwd /
-               cp_sum) with their fakes and autograd, and the eager path
+               cp_sum) with their fakes and autograd, and the eager path; the qkv_format views and
+               the DTensor refusal both ops use
     _indexer   indexer_kl's validation, block runners, custom ops (streamkl::cp_indexer_kl_fwd /
                cp_indexer_kl_bwd) and eager path
 
@@ -213,29 +214,41 @@ def indexer_kl(
     scale: float | None = None,
     causal: bool = True,
     topk: Tensor | None = None,
-    layout: str = "zigzag",
+    layout: str | None = None,
+    positions: Tensor | None = None,
     reduction: str = "mean",
     cu_seqlens: Tensor | None = None,
     max_seqlen: int | None = None,
+    qkv_format: str = "bhsd",
     backend: str | None = None,
 ) -> Tensor:
-    """streamkl.indexer_kl over one sequence sharded across the ranks of `group` (default: the
-    world).
+    """streamkl.indexer_kl over one sequence sharded across the ranks of `group`: a
+    ProcessGroup, a 1-D DeviceMesh, (mesh, dim name), or None for the world.
 
-    Each rank passes its shard of the sequence, laid out as `layout` (see `shard`): q
-    (B, H, N_local, D), k (B, H_kv, N_local, D) or (B, N_local, D), qi (B, G, N_local, Di), ki
-    (B, 1, N_local, Di) or (B, N_local, Di), w (B, G, N_local), and optionally lse (B, H, N_local)
-    (the teacher's per-head log-sum-exp over the keys each row admits in the whole sequence) and
-    topk (B, N_local, K) (each row's key set as positions in the whole sequence, -1 padding).
-    The key-side tensors k and ki are all-gathered; the rest stays local. Returns the local rows'
-    KL (B, N_local) with reduction "none", or the sum / mean over the whole sequence (the mean
-    over the rows that see a key), the same on every rank. Differentiable in qi, ki and w; every
-    rank must run the backward (it communicates). causal, scale, backend: as for
-    streamkl.indexer_kl, causal over global positions. cu_seqlens is not supported yet. Bad input
-    raises ValueError or TypeError on every rank before any data moves. docs/distributed.md
-    states the whole call.
+    Each rank passes its shard of the sequence: q (B, H, N_local, D), k (B, H_kv, N_local, D) or
+    (B, N_local, D), qi (B, G, N_local, Di), ki (B, 1, N_local, Di) or (B, N_local, Di),
+    w (B, G, N_local), and optionally lse (B, H, N_local) (the teacher's per-head log-sum-exp
+    over the keys each row admits in the whole sequence) and topk (B, N_local, K) (each row's key
+    set as positions in the whole sequence, packed or not, -1 padding). With qkv_format "bshd",
+    "sbhd" or "thd" every tensor is stored in the format's axis order, less the axes it lacks
+    (w and lse have no D, topk and a headless key no H): w (B, N_local, G) under "bshd",
+    topk (N_local, B, K) under "sbhd", w (N_local, G) under "thd". The tokens are those at
+    `positions` (1-D int, each local token's index in the whole sequence, in storage order; any
+    layout) or laid out as `layout` ("zigzag", the default without positions; "contiguous";
+    "zigzag-per-document"), as for attn_kl; shards may differ in length where the layout allows.
+    cu_seqlens: int32 offsets of the documents of the whole packed sequence, the same on every
+    rank (B = 1); a row admits its own document's keys only. The key-side tensors k and ki are
+    all-gathered; the rest stays local. Returns the local rows' KL (B, N_local) (in the format's
+    order: (N_local, B) under "sbhd", (N_local,) under "thd") with reduction "none", or the sum /
+    mean over the whole sequence (the mean over the rows that see a key), the same on every rank.
+    Differentiable in qi, ki and w; every rank must run the backward (it communicates). causal,
+    scale, backend: as for streamkl.indexer_kl, causal over global positions. Bad input raises
+    ValueError or TypeError on every rank before any data moves; shards that cannot be laid out
+    as `layout`, or positions that do not cover the sequence once, raise LayoutError (a
+    ValueError). docs/distributed.md states the whole call.
     """
     return _indexer.indexer_kl(
         q, k, qi, ki, w, group=group, lse=lse, scale=scale, causal=causal, topk=topk, layout=layout,
-        reduction=reduction, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, backend=backend,
+        positions=positions, reduction=reduction, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+        qkv_format=qkv_format, backend=backend,
     )  # fmt: skip

@@ -1,25 +1,29 @@
 """indexer_kl with context parallelism (docs/distributed.md, indexer_kl): validation of a call,
 its block runners on the plan, and its torch.library registration.
 
-    check                            one rank's checks of a call, agreed across the group
+    check                            one rank's checks of a call, agreed across the group, and
+                                     the call's plan Context (attn_kl's: layouts, positions,
+                                     documents and their checks are _validate's and _plan's)
     run_forward / run_backward       the block runners (_plan.run_forward / run_backward, the
                                      all-gather form): each block is one call of the backend
                                      selected for the whole call on a run of local query rows
-                                     and the key prefix they admit
+                                     and the run of keys they admit
     streamkl::cp_indexer_kl_fwd      -> (kl, lse, lse2, mass) of the local rows
     streamkl::cp_indexer_kl_bwd      -> (dqi, dki, dw) of the local shards
 
 The key-side tensors (the teacher's k, the indexer's ki) are gathered once, in sequence order;
 the query-side ones (q, qi, w, lse, topk) stay local. Under the all-gather plan every local row
-is in exactly one call, against every key it admits, so each block's statistics are the row's
-final ones and nothing is merged (docs/distributed.md, indexer_kl). The backward gathers the keys
-again, writes dqi and dw of the local rows, and hands dki home by one reduce-scatter.
+is in exactly one call, against every key it admits (its document's, up to itself when causal),
+so each block's statistics are the row's final ones and nothing is merged (docs/distributed.md,
+indexer_kl). The backward gathers the keys again, writes dqi and dw of the local rows, and hands
+dki home by one reduce-scatter.
 
 A call is validated once (its spec built by streamkl._checks.indexer_kl_spec from the local
-shards, topk's values checked against the whole sequence, the backend selected, all agreed across
-ranks); every block reuses that spec and backend. The eager path runs the runners through an
-autograd.Function; a traced call (torch.compile) goes through the custom ops, whose forward runs
-the cross-rank checks at run time, as streamkl.distributed.attn_kl does.
+shards, topk's values checked against the whole sequence once every rank's length is known, the
+backend selected, all agreed across ranks); every block reuses that spec and backend. The eager
+path runs the runners through an autograd.Function; a traced call (torch.compile) goes through
+the custom ops, whose forward runs the cross-rank checks at run time, as
+streamkl.distributed.attn_kl does.
 """
 
 from __future__ import annotations
@@ -37,26 +41,43 @@ from ..ops._common import on_device, once_differentiable, refuse_unsupported_aut
 from ..ops.indexer_kl import _one_head, _out_dtype
 from . import _plan, _validate
 from ._comm import group_by_name, resolve_group
-from ._ops import _traced, cp_sum
+from ._ops import _traced, check_qkv_format, cp_sum, from_bhsd, refuse_dtensors, to_bhsd
 from ._plan import Call, Context, HeadStep
 
 OP = "indexer_kl"
 WHAT = "streamkl.distributed.indexer_kl"
 
-# The layouts indexer_kl runs over: one sequence per batch entry, equal shards.
-LAYOUTS = ("contiguous", "zigzag")
-
 # The key tensors the plan moves, in this order: the teacher's k, the indexer's ki.
 KEY_INDEX_KI = 1
 
+# Each input's sequence axis in its canonical (bhsd) form: shards may differ along it only.
+SEQUENCE_DIM = {"q": 2, "k": 2, "qi": 2, "ki": 2, "w": 2, "lse": 2, "topk": 1}
+
+# Each input's canonical axes under qkv_format (ops/_ops.to_bhsd): a tensor has the format's
+# axes minus those it lacks (w and lse have no D, topk and a headless key no H).
+AXES = {
+    "q": ("bhsd",),
+    "k": ("bhsd", "bsd"),
+    "qi": ("bhsd",),
+    "ki": ("bhsd", "bsd"),
+    "w": ("bhs",),
+    "lse": ("bhs",),
+    "topk": ("bsd",),
+}
+
 
 class Options(NamedTuple):
-    """The context-parallel options of a call, as its caller passed them."""
+    """The context-parallel options of a call, as its caller passed them (the fields
+    _validate.local_layout reads as attn_kl's). layout None: the positions' layout, or "zigzag"
+    without positions."""
 
-    layout: str
+    layout: str | None
     reduction: str
     backend: str | None
     requires_grad: tuple[bool, bool, bool]  # qi, ki, w
+    positions: Tensor | None = None
+    cu_seqlens: Tensor | None = None
+    max_seqlen: int | None = None
 
 
 class Checked(NamedTuple):
@@ -69,77 +90,94 @@ class Checked(NamedTuple):
     impl: object | None
 
 
-def _check_layout(layout) -> None:
-    """The layouts of equal shards of one sequence: indexer_kl's plan has no positions or
-    documents (packed sequences) yet."""
-    if not isinstance(layout, str):
-        raise TypeError(f"layout must be a str, one of {LAYOUTS}; got {type(layout).__name__}")
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-
-
-def _check_global_topk(topk: Tensor, world: int, nq: int) -> None:
-    """topk holds positions in the whole sequence (world * N_local keys), not in the shard."""
-    try:
-        _checks.check_topk_values(topk, world * nq)
-    except ValueError as exc:
+def _topk_range(topk: Tensor) -> tuple[int, int] | None:
+    """(lowest, highest) entry of this rank's topk (one host read), None when it is empty; an
+    entry below -1 raises here. The highest is checked against the whole sequence's length once
+    every rank's is known (_check_topk_positions)."""
+    if topk.numel() == 0:
+        return None
+    low, high = torch.stack(torch.aminmax(topk)).tolist()
+    if low < -1:
         raise ValueError(
-            f"{exc}; with context parallelism topk holds key positions in the whole sequence "
-            f"({world} ranks x {nq} tokens)"
-        ) from None
+            f"topk holds the index {low}; topk holds key positions in the whole sequence, or -1 for padding"
+        )
+    return low, high
+
+
+def _check_topk_positions(shares: list, total: int) -> None:
+    """Every rank's topk entries are positions in the whole sequence, [0, N) (N: the tokens of
+    all shards) or -1: the same on every rank, from what every rank shared."""
+    for rank, share in enumerate(shares):
+        if share["topk"] is not None and share["topk"][1] >= total:
+            raise ValueError(
+                f"{WHAT}: rank {rank} of the group: topk holds the index {share['topk'][1]}; topk holds "
+                f"key positions in the whole sequence, [0, {total}) (the tokens of all shards), or -1 "
+                "for padding"
+            )
+
+
+def _shape_but_sequence(t: Tensor | None, dim: int):
+    """A tensor's shape with its sequence axis left out of the comparison across ranks."""
+    if t is None:
+        return None
+    return tuple(t.shape[:dim]) + ("N_local",) + tuple(t.shape[dim + 1 :])
 
 
 def check_indexer_kl(group, spec: IndexerKLSpec, inputs: IndexerKLInputs, options: Options, *, run: bool):
     """Everything one rank can check alone of a call whose spec streamkl._checks built (metadata
-    only); raises ValueError/TypeError naming the argument. Returns (Checked, the metadata every
-    rank must share). `run`: real tensors about to run, so topk's values are read (one host sync)
-    and the backend is selected, once for every block (a block is a slice of the local call)."""
-    _check_layout(options.layout)
+    only); raises ValueError/TypeError naming the argument. Returns ((Checked, the layout's name,
+    the documents' offsets), the metadata every rank must share, what this rank shares: its
+    length, runs and topk's range), as _validate.check_attn_kl does. `run`: real tensors about
+    to run, so positions, cu_seqlens and topk's values are read (one host sync each) and the
+    backend is selected, once for every block (a block is a slice of the local call)."""
     _checks.check_reduction(options.reduction)
-    _validate.check_shard_lengths(options.layout, spec.nq, spec.nk)
+    _validate.check_same_tokens(spec.nq, spec.nk)
+    device = inputs.q.device
+    layout, runs, offsets, layout_meta = _validate.local_layout(options, spec.batch, spec.nq, device, run=run)
     name = _dispatch.check_name(options.backend)
-    impl = None
-    device_type = inputs.q.device.type
+    impl, topk_range = None, None
     if run:
         if inputs.topk is not None:
-            _check_global_topk(inputs.topk, dist.get_world_size(group), spec.nq)
+            topk_range = _topk_range(inputs.topk)
         _env.check_all()
         impl = _dispatch.select(OP, spec, inputs, name)  # a named backend that cannot run raises
-        _validate.check_group_device(group, device_type)
+        _validate.check_group_device(group, device.type)
     tensors = dict(zip(("q", "k", "qi", "ki", "w", "lse", "topk"), inputs))
     meta = {
-        "local sequence length": spec.nq,
-        **{f"{arg} shape": None if t is None else tuple(t.shape) for arg, t in tensors.items()},
+        # shapes but the sequence axis: shards may differ in length where the layout allows
+        **{f"{arg} shape": _shape_but_sequence(t, SEQUENCE_DIM[arg]) for arg, t in tensors.items()},
         "dtypes": tuple(None if t is None else str(t.dtype) for t in tensors.values()),
-        "device type": device_type,
+        "device type": device.type,
         "causal": spec.causal,
         "scale": spec.scale,
-        "layout": options.layout,
         "reduction": options.reduction,
         "backend": name,
         "requires_grad": tuple(options.requires_grad),
+        **layout_meta,
     }
-    return Checked(spec, name, impl), meta
+    share = {"length": spec.nq, "runs": runs, "topk": topk_range}
+    return (Checked(spec, name, impl), layout, offsets), meta, share
 
 
-def check(group, q, k, qi, ki, w, lse, topk, causal, scale, cu_seqlens, max_seqlen, options, *, run: bool):
+def check(group, q, k, qi, ki, w, lse, topk, causal, scale, options: Options, *, run: bool):
     """Validates a call: with `run` (real tensors about to run) on every rank, agreed across the
-    group, selecting the backend; else (traced) this rank's checks that need no communication."""
+    group, selecting the backend and resolving every rank's runs of positions: returns (Checked,
+    the call's plan Context); else (traced) this rank's checks that need no communication:
+    (Checked, None)."""
 
     def local():
         refuse_unsupported_autograd("distributed.indexer_kl", q, k, qi, ki, w, lse)
-        if cu_seqlens is not None or max_seqlen is not None:
-            raise ValueError(
-                "cu_seqlens / max_seqlen: packed sequences are not supported by "
-                "streamkl.distributed.indexer_kl yet (docs/distributed.md, indexer_kl); pass one "
-                "sequence per batch entry"
-            )
         call = dict(lse=lse, topk=topk, causal=causal, scale=scale)
+        # read_values=False: topk holds positions in the whole sequence, checked after the exchange
         spec = _checks.indexer_kl_spec(q, k, qi, ki, w, **call, read_values=False)
         inputs = IndexerKLInputs(q, k, qi, ki, w, lse, topk)
         return check_indexer_kl(group, spec, inputs, options, run=run)
 
-    return _validate.agree(group, local, WHAT) if run else local()[0]
+    if not run:
+        return local()[0][0], None
+    checked, ctx, shares = _validate.agree_on_layout(group, local, WHAT, "allgather")
+    _check_topk_positions(shares, ctx.total)
+    return checked, ctx
 
 
 # --- the block runners ----------------------------------------------------------------------------
@@ -156,20 +194,15 @@ def _block_spec(spec: IndexerKLSpec, call: Call) -> IndexerKLSpec:
     return spec._replace(nq=call.rows.stop - call.rows.start, nk=call.keys, causal=call.causal)
 
 
-def _key_start(call: Call) -> int:
-    """The sequence position of the call's first key: 0 for every call of one sequence gathered
-    whole (the key run a row admits is a prefix of the sequence)."""
-    return getattr(call, "key_start", 0)
-
-
 def _block_topk(topk: Tensor | None, call: Call, total_keys: int) -> Tensor | None:
     """The call's rows of topk as indices into the call's keys: a sequence position minus the
-    first key's. A position outside the call's keys is one these rows do not admit (the causal
-    mask hides it), so it becomes padding (-1) and no backend reads outside the block."""
+    first key's (the gathered block is the whole sequence in position order). A position outside
+    the call's keys is one these rows do not admit (the causal mask hides it, or it lies in
+    another document), so it becomes padding (-1) and no backend reads outside the block."""
     if topk is None:
         return None
     rows = topk[:, call.rows]
-    start = _key_start(call)
+    start = call.key_start
     if start == 0 and call.keys == total_keys:
         return rows
     local = rows - start
@@ -188,7 +221,7 @@ def _block_inputs(inputs: IndexerKLInputs, lse: Tensor | None, call: Call, keys:
 
 def run_forward(checked: Checked, ctx: Context, inputs: IndexerKLInputs) -> IndexerKLStats:
     """The local rows' (kl, lse, lse2, mass) over the whole sequence. Each local row is in one
-    call of the all-gather plan, against all the keys it admits (a prefix of the sequence), so the
+    call of the all-gather plan, against all the keys it admits (a run of its document), so the
     call's statistics are the row's: written, not merged."""
     spec, backend = checked.spec, checked.impl
     q, k, qi, ki, w, lse, _, _ = inputs
@@ -201,17 +234,19 @@ def run_forward(checked: Checked, ctx: Context, inputs: IndexerKLInputs) -> Inde
     else:
         teacher_lse = torch.full((spec.batch, spec.heads, spec.nq), -math.inf, dtype=dtype, device=q.device)
     stats = IndexerKLStats(kl, teacher_lse, lse2, mass)
-    if kl.numel() == 0:
+    ctx.resolve(spec.nq)
+    # the same on every rank, so no one communicates; a rank with no rows still takes part
+    if spec.batch == 0 or ctx.total == 0:
         return stats
-    total = ctx.world * spec.nq
-    written: list[slice] = []
+    total = ctx.total
+    written = [0]  # where the rows written so far end: the plan hands calls out by first row
 
     def block(step: HeadStep, call: Call, keys: list[Tensor]) -> None:
         # a row in two calls would need its partial states merged, not the second written over
         # the first: fail loudly should a plan ever split a row's keys
-        if any(call.rows.start < done.stop and done.start < call.rows.stop for done in written):
+        if call.rows.start < written[0]:
             raise RuntimeError(f"{WHAT}: the plan puts rows {call.rows} in a second call")
-        written.append(call.rows)
+        written[0] = call.rows.stop
         part = backend.forward(_block_spec(spec, call), _block_inputs(inputs, lse, call, keys, total))
         for out, got in zip(stats, part):
             out[..., call.rows] = got
@@ -235,11 +270,13 @@ def run_backward(
         torch.zeros(t.shape, dtype=dtype, device=t.device) if need else None
         for t, need in zip(students, spec.needs)
     ]
-    if stats.kl.numel() > 0 and any(spec.needs):
+    ctx.resolve(spec.nq)
+    # a rank with no rows still takes part: the others' keys pass through it, its keys' gradients come home
+    if spec.batch > 0 and ctx.total > 0 and any(spec.needs):
         backend = _dispatch.backward_of(checked.impl)
         grad_kl = grad_kl.to(dtype)
         lse = stats.lse if spec.given_lse else None
-        total = ctx.world * spec.nq
+        total = ctx.total
         key_grads = {KEY_INDEX_KI: grads[1]} if spec.needs[1] else {}
 
         def block(step: HeadStep, call: Call, keys: list[Tensor]) -> dict[int, Tensor]:
@@ -272,8 +309,11 @@ def cp_indexer_kl_fwd(
     w: Tensor,
     lse: Tensor | None,
     topk: Tensor | None,
+    positions: Tensor | None,
+    cu_seqlens: Tensor | None,
+    max_seqlen: int | None,
     group_name: str,
-    layout: str,
+    layout: str | None,
     causal: bool,
     scale: float,
     backend: str,
@@ -283,10 +323,9 @@ def cp_indexer_kl_fwd(
     """The local rows' (kl, lse, lse2, mass) over the whole sequence. A traced call's Python
     wrapper ran at trace time, so the cross-rank checks run here, on every call."""
     group = group_by_name(group_name)
-    options = Options(layout, reduction, backend, tuple(requires_grad))
-    checked = check(group, q, k, qi, ki, w, lse, topk, causal, scale, None, None, options, run=True)
-    inputs = IndexerKLInputs(q, k, qi, ki, w, lse, topk)
-    return tuple(run_forward(checked, _plan.context(group, layout, "allgather"), inputs))
+    options = Options(layout, reduction, backend, tuple(requires_grad), positions, cu_seqlens, max_seqlen)
+    checked, ctx = check(group, q, k, qi, ki, w, lse, topk, causal, scale, options, run=True)
+    return tuple(run_forward(checked, ctx, IndexerKLInputs(q, k, qi, ki, w, lse, topk)))
 
 
 @cp_indexer_kl_fwd.register_fake
@@ -310,8 +349,10 @@ def cp_indexer_kl_bwd(
     lse: Tensor,
     lse2: Tensor,
     mass: Tensor,
+    positions: Tensor | None,
+    cu_seqlens: Tensor | None,
     group_name: str,
-    layout: str,
+    layout: str | None,
     causal: bool,
     scale: float,
     lse_given: bool,
@@ -319,7 +360,9 @@ def cp_indexer_kl_bwd(
     needs: list[bool],
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(dqi, dki, dw) of this rank's shards; an unneeded gradient is an empty tensor. Takes what
-    cp_indexer_kl_fwd validated: the spec is read off the shapes, the backend selected once."""
+    cp_indexer_kl_fwd validated: the spec is read off the shapes, the backend selected once; the
+    ranks' runs of positions are exchanged again (the forward's context is not kept across the
+    graph)."""
     group = group_by_name(group_name)
     call = dict(causal=causal, scale=scale, cu_seqlens=None, max_seqlen=None)
     spec = _checks.indexer_kl_spec_of_saved(q, k, qi, ki, w, lse_given=lse_given, topk=topk, **call)
@@ -327,7 +370,8 @@ def cp_indexer_kl_bwd(
     inputs = IndexerKLInputs(q, k, qi, ki, w, lse if lse_given else None, topk)
     checked = Checked(spec, backend, _dispatch.select(OP, spec, inputs, backend))
     stats = IndexerKLStats(kl, lse, lse2, mass)
-    grads = run_backward(checked, _plan.context(group, layout, "allgather"), inputs, stats, grad_kl)
+    ctx = _validate.context_of_saved(group, layout, positions, cu_seqlens, q.shape[2], "allgather", WHAT)
+    grads = run_backward(checked, ctx, inputs, stats, grad_kl)
     return tuple(g if g is not None else t.new_empty(0) for g, t in zip(grads, (qi, ki, w)))
 
 
@@ -338,8 +382,10 @@ def _(grad_kl, q, k, qi, ki, w, topk, kl, lse, lse2, mass, *options):
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, qi, ki, w, lse, topk, group_name, layout, causal, scale, backend, *_ = inputs
+    q, k, qi, ki, w, lse, topk, positions, cu_seqlens, _, *options = inputs
+    group_name, layout, causal, scale, backend = options[:5]
     ctx.save_for_backward(q, k, qi, ki, w, topk, *output)
+    ctx.index_tensors = (positions, cu_seqlens)  # held, not saved: as attn_kl's
     ctx.options = (group_name, layout, causal, scale, lse is not None, backend)
     ctx.mark_non_differentiable(*output[1:])  # only kl carries a gradient
 
@@ -347,8 +393,9 @@ def _setup_context(ctx, inputs, output):
 def _op_backward(ctx, grad_kl, *_):
     q, k, qi, ki, w, topk, kl, lse, lse2, mass = ctx.saved_tensors
     needs = list(ctx.needs_input_grad[2:5])
-    grads = cp_indexer_kl_bwd(grad_kl, q, k, qi, ki, w, topk, kl, lse, lse2, mass, *ctx.options, needs)
-    return (None, None, *(g if need else None for g, need in zip(grads, needs))) + (None,) * 9
+    saved = (q, k, qi, ki, w, topk, kl, lse, lse2, mass, *ctx.index_tensors, *ctx.options)
+    grads = cp_indexer_kl_bwd(grad_kl, *saved, needs)
+    return (None, None, *(g if need else None for g, need in zip(grads, needs))) + (None,) * 12
 
 
 cp_indexer_kl_fwd.register_autograd(_op_backward, setup_context=_setup_context)
@@ -402,31 +449,44 @@ def _reduce(kl: Tensor, lse2: Tensor, reduction: str, group, traced: bool) -> Te
     return total / both[1].clamp_min(1).to(kl.dtype)
 
 
+def _canonical(tensors: dict, qkv_format: str) -> list:
+    """q, k, qi, ki, w, lse, topk as (B, H, N, D)-ordered views (to_bhsd), the keys of one head
+    as (B, 1, N, D)."""
+    out = [to_bhsd(name, tensors[name], qkv_format, AXES[name]) for name in AXES]
+    out[1], out[3] = _one_head(out[1]), _one_head(out[3])
+    return out
+
+
 def indexer_kl(
-    q, k, qi, ki, w, *, group, lse, scale, causal, topk, layout, reduction, cu_seqlens, max_seqlen, backend,
+    q, k, qi, ki, w, *, group, lse, scale, causal, topk, layout, positions, reduction, cu_seqlens, max_seqlen,
+    qkv_format, backend,
 ):  # fmt: skip
     """The public call's body (docstring in streamkl/distributed/__init__.py)."""
+    tensors = dict(q=q, k=k, qi=qi, ki=ki, w=w, lse=lse, topk=topk)
+    refuse_dtensors({**tensors, "positions": positions, "cu_seqlens": cu_seqlens}, WHAT)
+    check_qkv_format(qkv_format)
+    q, k, qi, ki, w, lse, topk = _canonical(tensors, qkv_format)
     group = resolve_group(group)
-    k, ki = _one_head(k), _one_head(ki)
     requires_grad = tuple(
         torch.is_grad_enabled() and isinstance(t, Tensor) and t.requires_grad for t in (qi, ki, w)
     )
-    options = Options(layout, reduction, backend, requires_grad)
-    call = (group, q, k, qi, ki, w, lse, topk, causal, scale, cu_seqlens, max_seqlen, options)
+    options = Options(layout, reduction, backend, requires_grad, positions, cu_seqlens, max_seqlen)
+    call = (group, q, k, qi, ki, w, lse, topk, causal, scale, options)
     traced = _traced(q, k, qi, ki, w, lse, topk)
     if traced:
         # checks that need no communication run at trace time; the cross-rank ones inside the op
-        checked = check(*call, run=False)
+        checked, _ = check(*call, run=False)
         kl, _, lse2, _ = cp_indexer_kl_fwd(
-            q, k, qi, ki, w, lse, topk, group.group_name, layout, causal, checked.spec.scale,
-            checked.backend, list(requires_grad), reduction,
+            q, k, qi, ki, w, lse, topk, positions, cu_seqlens, max_seqlen, group.group_name, layout, causal,
+            checked.spec.scale, checked.backend, list(requires_grad), reduction,
         )  # fmt: skip
     else:
-        checked = check(*call, run=True)
-        cp = _plan.context(group, layout, "allgather")
+        checked, cp = check(*call, run=True)
         if any(requires_grad):
             kl, lse2 = _IndexerKL.apply(checked, cp, q, k, qi, ki, w, lse, topk)
         else:
             stats = run_forward(checked, cp, IndexerKLInputs(q, k, qi, ki, w, lse, topk))
             kl, lse2 = stats.kl, stats.lse2
+    if reduction == "none":
+        return from_bhsd(kl, qkv_format, "bs")
     return _reduce(kl, lse2, reduction, group, traced)

@@ -29,7 +29,6 @@ from .._spec import AttnKLInputs, AttnKLSpec, AttnKLStats
 from ..ops._common import on_device, once_differentiable, out_dtype, refuse_unsupported_autograd
 from . import _plan, _validate
 from ._comm import group_by_name, resolve_group
-from ._layout import check_layout, host_ints
 from ._plan import Call, Context, HeadStep
 
 OP = "attn_kl"
@@ -131,12 +130,8 @@ def check(group, q1, k1, q2, k2, causal, scale1, scale2, options, *, run: bool):
 
     if not run:
         return local()[0][0], None
-    (checked, layout, offsets), shares = _validate.agree(group, local, WHAT, share=True)
-    try:
-        runs = _validate.resolve_layout(layout, shares, offsets)
-    except ValueError as exc:  # the same on every rank: every rank raises it, none waits
-        raise type(exc)(f"{WHAT}: {exc}") from None
-    return checked, _plan.context(group, layout or "positions", options.comm, runs, offsets)
+    checked, ctx, _ = _validate.agree_on_layout(group, local, WHAT, options.comm)
+    return checked, ctx
 
 
 # --- the registered ops (torch.compile) ----------------------------------------------------------
@@ -210,14 +205,7 @@ def cp_attn_kl_bwd(
     impl = _dispatch.select(OP, spec, inputs, backend)
     checked = _validate.Checked(spec, heads_per_step, backend, impl)
     stats = AttnKLStats(kl, lse1, lse2)
-    shares = _validate.share_layout(group, positions, q1.shape[2], WHAT)
-    offsets = None if cu_seqlens is None else host_ints(cu_seqlens)
-    if layout is not None:
-        layout = check_layout(layout)
-    elif positions is None:
-        layout = "zigzag"
-    runs = _validate.resolve_layout(layout, shares, offsets)
-    ctx = _plan.context(group, layout or "positions", comm, runs, offsets)
+    ctx = _validate.context_of_saved(group, layout, positions, cu_seqlens, q1.shape[2], comm, WHAT)
     grads = run_backward(checked, ctx, inputs, stats, grad_kl)
     return tuple(g if g is not None else t.new_empty(0) for g, t in zip(grads, inputs))
 
@@ -300,7 +288,10 @@ def _traced(*tensors) -> bool:
 QKV_FORMATS = ("bhsd", "bshd", "sbhd", "thd")
 
 
-def _refuse_dtensors(tensors) -> None:
+def refuse_dtensors(tensors: dict, what: str) -> None:
+    """A DTensor input raises TypeError naming it and what to pass instead (its local shard and,
+    unless laid out as `layout`, its tokens' positions): on the rank that passes it, as no
+    exchange is possible."""
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # a torch without DTensor
@@ -308,46 +299,56 @@ def _refuse_dtensors(tensors) -> None:
     for name, t in tensors.items():
         if isinstance(t, DTensor):
             raise TypeError(
-                f"{name} is a DTensor; streamkl.distributed.attn_kl takes this rank's shard as a "
+                f"{name} is a DTensor; {what} takes this rank's shard as a "
                 f"plain tensor: pass {name}.to_local() and, unless the shards are laid out as "
                 "`layout`, the positions of the local tokens (positions=, e.g. from "
                 "streamkl.distributed.shard_and_positions)"
             )
 
 
-def _to_bhsd(tensors: dict, qkv_format) -> list[Tensor]:
-    """The inputs as (B, H, N, D) views: "bshd" (B, N, H, D), "sbhd" (N, B, H, D) and "thd"
-    (N, H, D: packed tokens, B = 1) are read as TransformerEngine names them; nothing is copied."""
+def check_qkv_format(qkv_format) -> str:
     if not isinstance(qkv_format, str) or qkv_format not in QKV_FORMATS:
         raise ValueError(f"qkv_format must be one of {QKV_FORMATS}, got {qkv_format!r}")
+    return qkv_format
+
+
+def _stored_axes(axes: str, qkv_format: str) -> str:
+    """The axes of a tensor with canonical axes `axes` (a subsequence of "bhsd") as `qkv_format`
+    stores it: the format's letters it has, in the format's order ("thd": no b, t for s)."""
+    return "".join(a for a in qkv_format.replace("t", "s") if a in axes)
+
+
+def to_bhsd(name: str, t, qkv_format: str, axes=("bhsd",)) -> Tensor:
+    """`t` stored as `qkv_format` says, as a view in the canonical order: the format's letters
+    the tensor has, in "bhsd"'s order. `axes`: the canonical axes `t` may have, told apart by
+    their count (indexer_kl's keys: "bhsd" or, headless, "bsd"); a tensor has the format's axes
+    minus those it lacks (attn_kl's KL "bhs": (B, N, H) under "bshd"). "thd" stores packed
+    tokens of one batch entry, B = 1. Nothing is copied."""
+    if qkv_format == "bhsd" or not isinstance(t, Tensor):
+        return t  # the canonical order; the spec's checks name a wrong shape or type
+    thd = qkv_format == "thd"
+    by_dims = {len(a) - thd: a for a in axes}
+    if t.dim() not in by_dims:
+        wanted = " or ".join(f"{len(a) - thd}-D ({_stored_axes(a, qkv_format)})" for a in axes)
+        raise ValueError(
+            f"{name} must be {wanted} under qkv_format={qkv_format!r}, got shape {tuple(t.shape)}"
+        )
+    canonical = by_dims[t.dim()]
+    stored = _stored_axes(canonical, qkv_format)
+    if thd:
+        t, stored = t.unsqueeze(0), "b" + stored
+    return t.permute([stored.index(a) for a in canonical])
+
+
+def from_bhsd(t: Tensor, qkv_format: str, axes: str) -> Tensor:
+    """An output with canonical axes `axes`, as `qkv_format` lays it out (to_bhsd's inverse)."""
     if qkv_format == "bhsd":
-        return list(tensors.values())
-    out = []
-    dims = len(qkv_format)
-    for name, t in tensors.items():
-        if not isinstance(t, Tensor) or t.dim() != dims:
-            raise ValueError(
-                f"{name} must be {dims}-D ({qkv_format} under qkv_format={qkv_format!r}), got "
-                f"{tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__}"
-            )
-        if qkv_format == "bshd":
-            out.append(t.transpose(1, 2))
-        elif qkv_format == "sbhd":
-            out.append(t.permute(1, 2, 0, 3))
-        else:
-            out.append(t.transpose(0, 1).unsqueeze(0))
-    return out
-
-
-def _in_format(kl: Tensor, qkv_format: str) -> Tensor:
-    """The rows' KL (B, H, N) as the inputs were laid out: (B, N, H), (N, B, H) or (N, H)."""
-    if qkv_format == "bshd":
-        return kl.transpose(1, 2)
-    if qkv_format == "sbhd":
-        return kl.permute(2, 0, 1)
+        return t
+    stored = _stored_axes(axes, qkv_format)
     if qkv_format == "thd":
-        return kl[0].transpose(0, 1)
-    return kl
+        stored = "b" + stored
+    t = t.permute([axes.index(a) for a in stored])
+    return t[0] if qkv_format == "thd" else t
 
 
 def attn_kl(
@@ -356,8 +357,9 @@ def attn_kl(
 ):  # fmt: skip
     """The public call's body (docstring in streamkl/distributed/__init__.py)."""
     tensors = {"q1": q1, "k1": k1, "q2": q2, "k2": k2, "positions": positions, "cu_seqlens": cu_seqlens}
-    _refuse_dtensors(tensors)
-    q1, k1, q2, k2 = _to_bhsd({name: tensors[name] for name in ("q1", "k1", "q2", "k2")}, qkv_format)
+    refuse_dtensors(tensors, WHAT)
+    check_qkv_format(qkv_format)
+    q1, k1, q2, k2 = (to_bhsd(name, tensors[name], qkv_format) for name in ("q1", "k1", "q2", "k2"))
     group = resolve_group(group)
     requires_grad = tuple(
         torch.is_grad_enabled() and isinstance(t, Tensor) and t.requires_grad for t in (q1, k1, q2, k2)
@@ -368,8 +370,6 @@ def attn_kl(
     call = (group, q1, k1, q2, k2, causal, scale1, scale2, options)
     if _traced(q1, k1, q2, k2):
         # checks that need no communication run at trace time; the cross-rank ones inside the op
-        if max_seqlen is not None and cu_seqlens is None:
-            raise ValueError("max_seqlen is only meaningful with cu_seqlens")
         checked, _ = check(*call, run=False)
         spec = checked.spec
         kl, _, _ = cp_attn_kl_fwd(
@@ -383,7 +383,7 @@ def attn_kl(
         else:
             kl = run_forward(checked, cp, AttnKLInputs(q1, k1, q2, k2)).kl
     if reduction == "none":
-        return _in_format(kl, qkv_format)
+        return from_bhsd(kl, qkv_format, "bhs")
     local_sum = kl.sum()
     # the global sum and row count in one all-reduce, bit-identical on every rank; the sum's
     # gradient reaches this rank's rows only, since every rank's backward starts from the same

@@ -3,7 +3,10 @@ one exchange of the outcomes makes any rank's error, or any metadata that differ
 raise the same error on every rank before any data collective.
 
     agree            the exchange, for any op's local checks
-    check_comm, check_unpacked, check_shard_lengths, check_group_device
+    check_local_layout, resolve_layout, agree_on_layout, context_of_saved
+                     where the tokens are (layout, positions, documents): one rank's checks,
+                     every rank's runs resolved alike after the exchange, the call's plan Context
+    check_comm, check_same_tokens, check_group_device
                      the context-parallel rules every op shares
     check_attn_kl    one rank's checks of an attn_kl call: its spec (built and validated by
                      streamkl._checks) plus the context-parallel options; selects the backend
@@ -24,8 +27,9 @@ from torch import Tensor
 
 from .. import _checks, _dispatch, _env
 from .._spec import AttnKLInputs, AttnKLSpec
+from . import _plan
 from ._comm import COMMS, all_gather_bytes
-from ._layout import LayoutError, Runs, check_cover, check_layout, chunks_per_rank, host_ints, layout_runs
+from ._layout import LayoutError, Runs, check_cover, check_layout, host_ints, layout_runs
 
 _ERROR_TYPES = {
     kind.__name__: kind for kind in (ValueError, TypeError, RuntimeError, NotImplementedError, LayoutError)
@@ -90,26 +94,12 @@ def check_comm(comm) -> None:
         raise ValueError(f"comm must be one of {COMMS}, got {comm!r}")
 
 
-def check_unpacked(cu_seqlens, max_seqlen) -> None:
-    if cu_seqlens is not None or max_seqlen is not None:
-        raise ValueError(
-            "cu_seqlens / max_seqlen: packed sequences are not supported with context parallelism "
-            "yet (docs/distributed.md, What is supported); pass one sequence per batch entry"
-        )
-
-
-def check_shard_lengths(layout: str, nq: int, nk: int) -> None:
-    """Queries and keys cover the same tokens, cut into the layout's equal chunks."""
+def check_same_tokens(nq: int, nk: int) -> None:
+    """Queries and keys cover the same tokens: a shard holds both of each of its tokens."""
     if nk != nq:
         raise ValueError(
             f"the keys hold {nk} tokens but the queries {nq}: with context parallelism each rank "
             "passes the same token range of queries and keys"
-        )
-    per_rank = chunks_per_rank(layout)
-    if nq % per_rank != 0:
-        raise ValueError(
-            f"layout={layout!r} stores {per_rank} equal chunks per rank; the local length "
-            f"{nq} is not a multiple of {per_rank}"
         )
 
 
@@ -225,6 +215,21 @@ def check_local_layout(layout, positions, cu_seqlens, max_seqlen, batch: int, n_
     return layout, runs, offsets, meta
 
 
+def local_layout(options, batch: int, n_local: int, device, *, run: bool):
+    """check_local_layout on a call's options (layout, positions, cu_seqlens, max_seqlen) where
+    the call runs now; where it is traced, the checks that read no tensor (the op's forward runs
+    the others when it runs)."""
+    if run:
+        return check_local_layout(
+            options.layout, options.positions, options.cu_seqlens, options.max_seqlen, batch, n_local, device
+        )
+    if options.max_seqlen is not None and options.cu_seqlens is None:
+        raise ValueError("max_seqlen is only meaningful with cu_seqlens")
+    if options.layout is not None:
+        check_layout(options.layout)
+    return options.layout, None, None, {}
+
+
 def _runs_cached(positions: Tensor) -> Runs:
     key = id(positions)
     entry = _RUNS.get(key)
@@ -277,11 +282,32 @@ def resolve_layout(layout, shares: list, offsets) -> list:
     return runs_by_rank
 
 
-def share_layout(group, positions, n_local: int, what: str) -> list:
-    """Every rank's shard length and runs, exchanged without the other checks: for a backward
-    whose forward validated the call and whose context is not at hand (a compiled graph's)."""
+def agree_on_layout(group, local: Callable[[], tuple], what: str, comm: str):
+    """agree on a call whose `local` checks return ((result, the layout's name, the documents'
+    offsets), metadata, {"length", "runs", ...}), then every rank's runs resolved alike
+    (resolve_layout). Returns (result, the call's plan Context, every rank's share)."""
+    (result, layout, offsets), shares = agree(group, local, what, share=True)
+    try:
+        runs = resolve_layout(layout, shares, offsets)
+    except ValueError as exc:  # the same on every rank: every rank raises it, none waits
+        raise type(exc)(f"{what}: {exc}") from None
+    return result, _plan.context(group, layout or "positions", comm, runs, offsets), shares
+
+
+def context_of_saved(group, layout, positions, cu_seqlens, n_local: int, comm: str, what: str):
+    """The plan Context of a call whose forward validated it, for a backward that does not hold
+    the forward's (a compiled graph's): every rank's length and runs exchanged again, without
+    the other checks."""
     runs = None if positions is None else _runs_cached(positions)
-    return agree(group, lambda: (None, {}, {"length": n_local, "runs": runs}), what, share=True)[1]
+    local = lambda: (None, {}, {"length": n_local, "runs": runs})  # noqa: E731
+    shares = agree(group, local, what, share=True)[1]
+    offsets = None if cu_seqlens is None else host_ints(cu_seqlens)
+    if layout is not None:
+        layout = check_layout(layout)
+    elif positions is None:
+        layout = "zigzag"
+    runs_by_rank = resolve_layout(layout, shares, offsets)
+    return _plan.context(group, layout or "positions", comm, runs_by_rank, offsets)
 
 
 def check_attn_kl(group, spec: AttnKLSpec, inputs: AttnKLInputs, options: Options, *, run: bool):
@@ -294,20 +320,8 @@ def check_attn_kl(group, spec: AttnKLSpec, inputs: AttnKLInputs, options: Option
     it; and positions and cu_seqlens are read."""
     check_comm(options.comm)
     _checks.check_reduction(options.reduction)
-    if spec.nk != spec.nq:
-        raise ValueError(
-            f"the keys hold {spec.nk} tokens but the queries {spec.nq}: with context parallelism each rank "
-            "passes the same token range of queries and keys"
-        )
-    if run:
-        layout, runs, offsets, layout_meta = check_local_layout(
-            options.layout, options.positions, options.cu_seqlens, options.max_seqlen,
-            spec.batch, spec.nq, inputs.q1.device,
-        )  # fmt: skip
-    else:
-        layout, runs, offsets, layout_meta = options.layout, None, None, {}
-        if layout is not None:
-            check_layout(layout)
+    check_same_tokens(spec.nq, spec.nk)
+    layout, runs, offsets, layout_meta = local_layout(options, spec.batch, spec.nq, inputs.q1.device, run=run)
     unit = math.lcm(spec.group1, spec.group2)
     heads_per_step = options.heads_per_step
     if heads_per_step is None:
