@@ -489,6 +489,8 @@ BAD_INPUTS = {
     "mesh_2d": (ValueError, "does not say which dimension"),
     "mesh_unknown_dim": (ValueError, "the mesh's dimensions are named ('dp', 'cp')"),
     "unknown_qkv_format": (ValueError, "qkv_format must be one of"),
+    "k1_not_in_format_on_one_rank": (ValueError, "k1 must be 4-D (bshd) under qkv_format='bshd'"),
+    "qkv_format_differs": (ValueError, "qkv_format differs across ranks"),
     "mixed_devices_on_one_rank": (ValueError, "must be on one device"),
     "device_type_differs": (ValueError, "device type differs across ranks"),
     "queries_and_keys_differ": (ValueError, "same token range of queries and keys"),
@@ -552,6 +554,12 @@ def case_bad_input(rank, world, *, which):
         kw["group"] = mesh if which == "mesh_2d" else (mesh, "sequence")
     elif which == "unknown_qkv_format":
         kw["qkv_format"] = "bnhd"
+    elif which in ("k1_not_in_format_on_one_rank", "qkv_format_differs"):
+        if rank == 0 or which == "k1_not_in_format_on_one_rank":  # (B, N, H, D)
+            kw["qkv_format"] = "bshd"
+            q1, k1, q2, k2 = (t.transpose(1, 2) for t in (q1, k1, q2, k2))
+        if rank == 0 and which == "k1_not_in_format_on_one_rank":
+            k1 = k1[0]
     elif which == "mixed_devices_on_one_rank" and rank == 0:
         k2 = k2.to("meta")
     elif which == "device_type_differs" and rank == 0:

@@ -521,7 +521,8 @@ BAD_INPUTS = {
     "dtensor": (TypeError, "is a DTensor; streamkl.distributed.indexer_kl takes this rank's shard"),
     "mesh_2d": (ValueError, "does not say which dimension"),
     "unknown_qkv_format": (ValueError, "qkv_format must be one of"),
-    "w_not_in_format": (ValueError, "w must be 3-D (bsh) under qkv_format='bshd'"),
+    "w_not_in_format_on_one_rank": (ValueError, "w must be 3-D (bsh) under qkv_format='bshd'"),
+    "qkv_format_differs": (ValueError, "qkv_format differs across ranks"),
     "w_shape_on_one_rank": (ValueError, "w must be (B, G, Sq)"),
     "device_type_differs": (ValueError, "device type differs across ranks"),
     "queries_and_keys_differ": (ValueError, "same token range of queries and keys"),
@@ -587,8 +588,12 @@ def case_bad_input(rank, world, *, which):
         kw["group"] = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "cp"))
     elif which == "unknown_qkv_format":
         kw["qkv_format"] = "bnhd"
-    elif which == "w_not_in_format":
-        kw["qkv_format"], args["w"] = "bshd", args["w"][:, 0]
+    elif which in ("w_not_in_format_on_one_rank", "qkv_format_differs"):
+        if rank == 0 or which == "w_not_in_format_on_one_rank":  # (B, N, heads, D), (B, N, G)
+            kw["qkv_format"] = "bshd"
+            args = {name: t.transpose(1, 2) for name, t in args.items()}
+        if rank == 0 and which == "w_not_in_format_on_one_rank":
+            args["w"] = args["w"][:, :, 0]
     elif which == "w_shape_on_one_rank" and rank == 0:
         args["w"] = args["w"][:, :2]
     elif which == "device_type_differs" and rank == 0:

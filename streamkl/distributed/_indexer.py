@@ -41,7 +41,7 @@ from ..ops._common import on_device, once_differentiable, refuse_unsupported_aut
 from ..ops.indexer_kl import _one_head, _out_dtype
 from . import _plan, _validate
 from ._comm import group_by_name, resolve_group
-from ._ops import _traced, check_qkv_format, cp_sum, from_bhsd, refuse_dtensors, to_bhsd
+from ._ops import _traced, cp_sum, from_bhsd, in_bhsd, refuse_dtensors
 from ._plan import Call, Context, HeadStep
 
 OP = "indexer_kl"
@@ -159,19 +159,25 @@ def check_indexer_kl(group, spec: IndexerKLSpec, inputs: IndexerKLInputs, option
     return (Checked(spec, name, impl), layout, offsets), meta, share
 
 
-def check(group, q, k, qi, ki, w, lse, topk, causal, scale, options: Options, *, run: bool):
-    """Validates a call: with `run` (real tensors about to run) on every rank, agreed across the
-    group, selecting the backend and resolving every rank's runs of positions: returns (Checked,
-    the call's plan Context); else (traced) this rank's checks that need no communication:
-    (Checked, None)."""
+def check(group, stored: dict, qkv_format, causal, scale, options: Options, *, run: bool):
+    """Validates a call on its inputs as stored (`stored`: q, k, qi, ki, w, lse, topk by name, laid
+    out as `qkv_format`): with `run` (real tensors about to run) on every rank, agreed across the
+    group, selecting the backend and resolving every rank's runs of positions: returns ((Checked,
+    the inputs in the canonical order, keys of one head as (B, 1, N, D)), the call's plan
+    Context); else (traced) this rank's checks that need no communication: ((Checked, views),
+    None). As attn_kl's check, the views are made among the agreed checks."""
 
     def local():
+        q, k, qi, ki, w, lse, topk = views = in_bhsd(stored, qkv_format, AXES)
+        views[1] = k = _one_head(k)
+        views[3] = ki = _one_head(ki)
         refuse_unsupported_autograd("distributed.indexer_kl", q, k, qi, ki, w, lse)
         call = dict(lse=lse, topk=topk, causal=causal, scale=scale)
         # read_values=False: topk holds positions in the whole sequence, checked after the exchange
         spec = _checks.indexer_kl_spec(q, k, qi, ki, w, **call, read_values=False)
         inputs = IndexerKLInputs(q, k, qi, ki, w, lse, topk)
-        return check_indexer_kl(group, spec, inputs, options, run=run)
+        (checked, layout, offsets), meta, share = check_indexer_kl(group, spec, inputs, options, run=run)
+        return ((checked, views), layout, offsets), {**meta, "qkv_format": qkv_format}, share
 
     if not run:
         return local()[0][0], None
@@ -324,7 +330,8 @@ def cp_indexer_kl_fwd(
     wrapper ran at trace time, so the cross-rank checks run here, on every call."""
     group = group_by_name(group_name)
     options = Options(layout, reduction, backend, tuple(requires_grad), positions, cu_seqlens, max_seqlen)
-    checked, ctx = check(group, q, k, qi, ki, w, lse, topk, causal, scale, options, run=True)
+    stored = dict(q=q, k=k, qi=qi, ki=ki, w=w, lse=lse, topk=topk)
+    (checked, _), ctx = check(group, stored, "bhsd", causal, scale, options, run=True)
     return tuple(run_forward(checked, ctx, IndexerKLInputs(q, k, qi, ki, w, lse, topk)))
 
 
@@ -449,43 +456,33 @@ def _reduce(kl: Tensor, lse2: Tensor, reduction: str, group, traced: bool) -> Te
     return total / both[1].clamp_min(1).to(kl.dtype)
 
 
-def _canonical(tensors: dict, qkv_format: str) -> list:
-    """q, k, qi, ki, w, lse, topk as (B, H, N, D)-ordered views (to_bhsd), the keys of one head
-    as (B, 1, N, D)."""
-    out = [to_bhsd(name, tensors[name], qkv_format, AXES[name]) for name in AXES]
-    out[1], out[3] = _one_head(out[1]), _one_head(out[3])
-    return out
-
-
 def indexer_kl(
     q, k, qi, ki, w, *, group, lse, scale, causal, topk, layout, positions, reduction, cu_seqlens, max_seqlen,
     qkv_format, backend,
 ):  # fmt: skip
     """The public call's body (docstring in streamkl/distributed/__init__.py)."""
-    tensors = dict(q=q, k=k, qi=qi, ki=ki, w=w, lse=lse, topk=topk)
-    refuse_dtensors({**tensors, "positions": positions, "cu_seqlens": cu_seqlens}, WHAT)
-    check_qkv_format(qkv_format)
-    q, k, qi, ki, w, lse, topk = _canonical(tensors, qkv_format)
+    stored = dict(q=q, k=k, qi=qi, ki=ki, w=w, lse=lse, topk=topk)
+    refuse_dtensors({**stored, "positions": positions, "cu_seqlens": cu_seqlens}, WHAT)
     group = resolve_group(group)
     requires_grad = tuple(
         torch.is_grad_enabled() and isinstance(t, Tensor) and t.requires_grad for t in (qi, ki, w)
     )
     options = Options(layout, reduction, backend, requires_grad, positions, cu_seqlens, max_seqlen)
-    call = (group, q, k, qi, ki, w, lse, topk, causal, scale, options)
-    traced = _traced(q, k, qi, ki, w, lse, topk)
+    call = (group, stored, qkv_format, causal, scale, options)
+    traced = _traced(*stored.values())
     if traced:
         # checks that need no communication run at trace time; the cross-rank ones inside the op
-        checked, _ = check(*call, run=False)
+        (checked, views), _ = check(*call, run=False)
         kl, _, lse2, _ = cp_indexer_kl_fwd(
-            q, k, qi, ki, w, lse, topk, positions, cu_seqlens, max_seqlen, group.group_name, layout, causal,
-            checked.spec.scale, checked.backend, list(requires_grad), reduction,
+            *views, positions, cu_seqlens, max_seqlen, group.group_name, layout, causal, checked.spec.scale,
+            checked.backend, list(requires_grad), reduction,
         )  # fmt: skip
     else:
-        checked, cp = check(*call, run=True)
+        (checked, views), cp = check(*call, run=True)
         if any(requires_grad):
-            kl, lse2 = _IndexerKL.apply(checked, cp, q, k, qi, ki, w, lse, topk)
+            kl, lse2 = _IndexerKL.apply(checked, cp, *views)
         else:
-            stats = run_forward(checked, cp, IndexerKLInputs(q, k, qi, ki, w, lse, topk))
+            stats = run_forward(checked, cp, IndexerKLInputs(*views))
             kl, lse2 = stats.kl, stats.lse2
     if reduction == "none":
         return from_bhsd(kl, qkv_format, "bs")

@@ -116,17 +116,23 @@ def run_backward(
     return tuple(g.to(t.dtype) if g is not None else None for g, t in zip(grads, inputs))
 
 
-def check(group, q1, k1, q2, k2, causal, scale1, scale2, options, *, run: bool):
-    """Validates a call: with `run` (real tensors about to run) on every rank, agreed across the
-    group, selecting the backend and resolving every rank's runs of positions: returns (Checked,
-    the call's plan Context); else (traced) this rank's checks that need no communication:
-    (Checked, None)."""
+def check(group, stored: dict, qkv_format, causal, scale1, scale2, options, *, run: bool):
+    """Validates a call on its inputs as stored (`stored`: q1, k1, q2, k2 by name, laid out as
+    `qkv_format`): with `run` (real tensors about to run) on every rank, agreed across the group,
+    selecting the backend and resolving every rank's runs of positions: returns ((Checked, the
+    inputs as (B, H, N, D) views), the call's plan Context); else (traced) this rank's checks
+    that need no communication: ((Checked, views), None). The views are made among the agreed
+    checks, so a tensor that does not fit the format raises on every rank."""
 
     def local():
+        q1, k1, q2, k2 = views = in_bhsd(stored, qkv_format)
         refuse_unsupported_autograd("distributed.attn_kl", q1, k1, q2, k2)
         spec = _checks.attn_kl_spec(q1, k1, q2, k2, causal=causal, scale1=scale1, scale2=scale2)
         inputs = AttnKLInputs(q1, k1, q2, k2)
-        return _validate.check_attn_kl(group, spec, inputs, options, run=run)
+        (checked, layout, offsets), meta, share = _validate.check_attn_kl(
+            group, spec, inputs, options, run=run
+        )
+        return ((checked, views), layout, offsets), {**meta, "qkv_format": qkv_format}, share
 
     if not run:
         return local()[0][0], None
@@ -162,7 +168,8 @@ def cp_attn_kl_fwd(
     options = _validate.Options(
         layout, comm, heads_per_step, reduction, backend, tuple(requires_grad), positions, cu_seqlens
     )
-    checked, ctx = check(group, q1, k1, q2, k2, causal, scale1, scale2, options, run=True)
+    stored = dict(q1=q1, k1=k1, q2=q2, k2=k2)
+    (checked, _), ctx = check(group, stored, "bhsd", causal, scale1, scale2, options, run=True)
     return tuple(run_forward(checked, ctx, AttnKLInputs(q1, k1, q2, k2)))
 
 
@@ -306,10 +313,14 @@ def refuse_dtensors(tensors: dict, what: str) -> None:
             )
 
 
-def check_qkv_format(qkv_format) -> str:
+def in_bhsd(stored: dict, qkv_format, axes: dict | None = None) -> list:
+    """The tensors of `stored` (by name, laid out as `qkv_format`) as to_bhsd's views, in that
+    order; axes[name]: that tensor's canonical axes (default "bhsd"). Raises ValueError naming
+    the format or the tensor that does not fit it."""
     if not isinstance(qkv_format, str) or qkv_format not in QKV_FORMATS:
         raise ValueError(f"qkv_format must be one of {QKV_FORMATS}, got {qkv_format!r}")
-    return qkv_format
+    axes = axes or {}
+    return [to_bhsd(name, t, qkv_format, axes.get(name, ("bhsd",))) for name, t in stored.items()]
 
 
 def _stored_axes(axes: str, qkv_format: str) -> str:
@@ -356,10 +367,8 @@ def attn_kl(
     cu_seqlens, max_seqlen, qkv_format, backend,
 ):  # fmt: skip
     """The public call's body (docstring in streamkl/distributed/__init__.py)."""
-    tensors = {"q1": q1, "k1": k1, "q2": q2, "k2": k2, "positions": positions, "cu_seqlens": cu_seqlens}
-    refuse_dtensors(tensors, WHAT)
-    check_qkv_format(qkv_format)
-    q1, k1, q2, k2 = (to_bhsd(name, tensors[name], qkv_format) for name in ("q1", "k1", "q2", "k2"))
+    stored = {"q1": q1, "k1": k1, "q2": q2, "k2": k2}
+    refuse_dtensors({**stored, "positions": positions, "cu_seqlens": cu_seqlens}, WHAT)
     group = resolve_group(group)
     requires_grad = tuple(
         torch.is_grad_enabled() and isinstance(t, Tensor) and t.requires_grad for t in (q1, k1, q2, k2)
@@ -367,21 +376,21 @@ def attn_kl(
     options = _validate.Options(
         layout, comm, heads_per_step, reduction, backend, requires_grad, positions, cu_seqlens, max_seqlen
     )
-    call = (group, q1, k1, q2, k2, causal, scale1, scale2, options)
+    call = (group, stored, qkv_format, causal, scale1, scale2, options)
     if _traced(q1, k1, q2, k2):
         # checks that need no communication run at trace time; the cross-rank ones inside the op
-        checked, _ = check(*call, run=False)
+        (checked, views), _ = check(*call, run=False)
         spec = checked.spec
         kl, _, _ = cp_attn_kl_fwd(
-            q1, k1, q2, k2, positions, cu_seqlens, group.group_name, layout, comm, causal, spec.scale1,
+            *views, positions, cu_seqlens, group.group_name, layout, comm, causal, spec.scale1,
             spec.scale2, checked.heads_per_step, checked.backend, list(requires_grad), reduction,
         )  # fmt: skip
     else:
-        checked, cp = check(*call, run=True)
+        (checked, views), cp = check(*call, run=True)
         if any(requires_grad):
-            kl = _AttnKL.apply(checked, cp, q1, k1, q2, k2)
+            kl = _AttnKL.apply(checked, cp, *views)
         else:
-            kl = run_forward(checked, cp, AttnKLInputs(q1, k1, q2, k2)).kl
+            kl = run_forward(checked, cp, AttnKLInputs(*views)).kl
     if reduction == "none":
         return from_bhsd(kl, qkv_format, "bhs")
     local_sum = kl.sum()

@@ -174,7 +174,9 @@ def check_local_layout(layout, positions, cu_seqlens, max_seqlen, batch: int, n_
                 f"token, got shape {tuple(positions.shape)}"
             )
         if positions.device != device and positions.device.type != "cpu":
-            raise ValueError(f"positions is on {positions.device}; expected {device} like q1, or the CPU")
+            raise ValueError(
+                f"positions is on {positions.device}; expected {device} like the inputs, or the CPU"
+            )
         runs = _runs_cached(positions)
     offsets = None
     if cu_seqlens is not None:
@@ -188,7 +190,7 @@ def check_local_layout(layout, positions, cu_seqlens, max_seqlen, batch: int, n_
                 f"documents in the whole packed sequence, got shape {tuple(cu_seqlens.shape)}"
             )
         if cu_seqlens.device != device:
-            raise ValueError(f"cu_seqlens is on {cu_seqlens.device}; expected {device} like q1")
+            raise ValueError(f"cu_seqlens is on {cu_seqlens.device}; expected {device} like the inputs")
         if batch != 1:
             raise ValueError(f"packed sequences (cu_seqlens) need batch 1, got B = {batch}")
         offsets = host_ints(cu_seqlens)
