@@ -1,9 +1,11 @@
 """streamkl.distributed.indexer_kl (docs/distributed.md, indexer_kl) on gloo CPU process groups of
-2, 3 and 4 ranks: every rank's KL and its dqi, dki, dw against the single-process op on the full
-sequence in float64, both layouts, causal and not, dense and sparse (topk of global positions),
-MQA / GQA / MHA teachers, lse given and computed, the three reductions, some gradients only,
-subgroups, a group of one rank, empty shards, torch.compile, one validation and one backend
-selection per call, and bad input raising the same error on every rank. Beside them, in one
+2, 3 and 4 ranks: every rank's KL and its dqi, dki, dw against the single-process (packed) op on
+the full sequence in float64, both named layouts, causal and not, dense and sparse (topk of global
+positions), MQA / GQA / MHA teachers, lse given and computed, the three reductions, some gradients
+only, subgroups, a group of one rank, empty shards; positions= against the named layouts, packed
+documents (cu_seqlens of the whole sequence) inside and across shards, shards of different
+lengths (one empty), group= as a DeviceMesh, every qkv_format; torch.compile, one validation and
+one backend selection per call, and bad input raising the same error on every rank. Beside them, in one
 process: the statistics of disjoint key sets merge exactly (the merge docs/distributed.md states).
 
 Each world size is spawned once and runs all of its cases (as tests/test_distributed.py does);

@@ -53,7 +53,7 @@ KEY_INDEX_KI = 1
 # Each input's sequence axis in its canonical (bhsd) form: shards may differ along it only.
 SEQUENCE_DIM = {"q": 2, "k": 2, "qi": 2, "ki": 2, "w": 2, "lse": 2, "topk": 1}
 
-# Each input's canonical axes under qkv_format (ops/_ops.to_bhsd): a tensor has the format's
+# Each input's canonical axes under qkv_format (_ops.to_bhsd): a tensor has the format's
 # axes minus those it lacks (w and lse have no D, topk and a headless key no H).
 AXES = {
     "q": ("bhsd",),
