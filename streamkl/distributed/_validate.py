@@ -36,7 +36,6 @@ _ERROR_TYPES = {
 }
 
 _MISMATCH_HINTS = {
-    "local sequence length": "; every rank holds an equal shard of the sequence",
     "requires_grad": "; every rank runs the same backward, so the same inputs must require grad",
 }
 
