@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from typing import NamedTuple
 
 import torch
@@ -375,7 +376,9 @@ def backward(spec: AttnKLSpec, inputs: AttnKLInputs, stats: AttnKLStats, grad_kl
     grad_kl = grad_kl.to(torch.float32).contiguous()
     kl, lse1, lse2 = (t.to(torch.float32).contiguous() for t in stats)
     forced = None if spec.packed else _env.triton_split_k()
-    plan = bwd_plan(spec, q1.dtype, q1.device, _env.triton_bwd(), forced)
+    plan = bwd_plan(spec, q1.dtype, q1.device, bwd_strategy(), forced)
+    if plan.fused and torch.are_deterministic_algorithms_enabled():
+        deterministic_refusal(FUSED_NONDETERMINISTIC)  # STREAMKL_TRITON_BWD=fused, forced
     cu = cu_seqlens if spec.packed else kl  # placeholder pointer when not packed (never read)
     dummy = kl  # placeholder pointer of an output a launch does not write (never read)
     strides = _strides(q1, k1, q2, k2)
@@ -437,6 +440,37 @@ def backward(spec: AttnKLSpec, inputs: AttnKLInputs, stats: AttnKLStats, grad_kl
                 if shares is not None:
                     dq.copy_(shares.sum(0))
     return out
+
+
+FUSED_NONDETERMINISTIC = (
+    "STREAMKL_TRITON_BWD=fused adds dq with float32 atomics, whose summation order varies from run "
+    "to run, and torch.use_deterministic_algorithms(True) is on. Unset STREAMKL_TRITON_BWD (or set "
+    "it to auto or separate: under deterministic mode both run the separate strategy, whose "
+    "summation order is fixed), or turn deterministic mode off"
+)
+
+
+def bwd_strategy() -> str:
+    """The strategy handed to bwd_plan: STREAMKL_TRITON_BWD's value, except that under
+    torch.use_deterministic_algorithms(True) `auto` becomes `separate` (the fused strategy's dq
+    atomics sum in a varying order; the separate strategy sums every gradient in registers or in
+    float32 shares reduced in a fixed order). A forced `fused` stays, and backward refuses it
+    (docs/triton.md, "Determinism"). The one place the backward's determinism is decided; the
+    cuda backend's backward is this one."""
+    strategy = _env.triton_bwd()
+    if strategy == "auto" and torch.are_deterministic_algorithms_enabled():
+        return "separate"
+    return strategy
+
+
+def deterministic_refusal(message: str) -> None:
+    """What a launcher does where deterministic mode is on and only a nondeterministic path is
+    left: RuntimeError, or a UserWarning (and the path runs) under
+    torch.use_deterministic_algorithms(True, warn_only=True), as PyTorch's own ops do."""
+    if torch.is_deterministic_algorithms_warn_only_enabled():
+        warnings.warn(message, UserWarning, stacklevel=3)
+        return
+    raise RuntimeError(message)
 
 
 def choose_bwd(Z, H, rows, nk, g1, g2, needs, cq, ck, num_sms) -> str:
