@@ -1,0 +1,140 @@
+"""indexer_kl, the key-major dki pass: dki with a fixed summation order, for
+torch.use_deterministic_algorithms(True) (docs/indexer.md, "Determinism").
+
+The main pass adds each program's dki share with float32 atomics (a key's rows live in many
+programs), so the order of the sum varies from run to run. Here a program owns a tile of BN keys
+and walks, BM rows at a time in increasing order, every row that sees them, with its dki tile in
+registers: dki[j] = sum_rows dz^T qi, as the main pass forms it (dI_j = a q_j - b p_j, dz_g =
+dI w_g [z_g > 0]), written once. The price is the teacher: its head mixture p is recomputed for
+every (row, key) pair, the work of one more main pass. Dense mode only (a sparse key's rows are
+not a range of rows).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._indexer_tiles import admitted, index_scores, load_keys, load_rows, stack, teacher_mixture
+from ._launch import _launch, deterministic_refusal
+from ._tiles import sequence
+
+SPARSE_NONDETERMINISTIC = (
+    "indexer_kl's triton backend adds dki with float32 atomics in sparse mode (topk), whose "
+    "summation order varies from run to run, and torch.use_deterministic_algorithms(True) is on; "
+    "its deterministic key-major dki pass runs dense mode only. For a deterministic sparse dki "
+    'use backend="reference", or turn deterministic mode off'
+)
+
+
+def by_key(spec) -> bool:
+    """Whether this call's dki comes from the key-major pass: where dki is needed and
+    torch.use_deterministic_algorithms(True) is on (the main pass then forms dqi, dw and the KL
+    without dki). Sparse mode has no such pass: RuntimeError, or under warn_only a warning and
+    the atomics (_launch.deterministic_refusal). The one place indexer_kl's determinism is
+    decided (docs/indexer.md, "Determinism")."""
+    if not (spec.needs[1] and torch.are_deterministic_algorithms_enabled()):
+        return False
+    if spec.sparse:
+        deterministic_refusal(SPARSE_NONDETERMINISTIC)
+        return False
+    return True
+
+
+def dki_pass(call, spec, lse, lse2, coefs, dki) -> None:
+    """Writes dki (B, Sk, Di) float32 from the key-major kernel, for per-row coefficients
+    coefs = (a, b), (B, Sq) float32: dI = a q - b p, as the main pass's (call: the launcher's
+    _Call of the main pass, whose plan and tensors this pass shares). As there, the coefficients
+    enter scaled by their largest magnitude s and the sums are multiplied by s, so small row
+    weights (a mean's 1 / rows) keep a 16-bit dz's full precision."""
+    coef_a, coef_b = coefs
+    s = torch.maximum(coef_a.abs().amax(), coef_b.abs().amax()).reshape(1)
+    s = torch.where(s > 0, s, 1.0)
+    coefs = ((coef_a / s).contiguous(), (coef_b / s).contiguous(), s)
+    consts = call.plan.variants.get("dki")
+    if consts is None:  # its own dict: the launch cache keys on the dict's identity
+        consts = call.plan.variants["dki"] = dict(call.plan.consts)
+    grid = (triton.cdiv(spec.seq_k, consts["BN"]), call.plan.grid[1])
+    args = (*call.lead, lse, lse2, *coefs, dki, *call.strides, *call.plan.scalars, 1.0 / spec.heads)
+    _launch(_indexer_dki_kernel, grid, args, consts)
+
+
+@triton.jit(do_not_specialize=["H", "NQ", "NK", "G", "GROUP", "CPG", "N_CHUNKS", "TOPK_W"])
+def _indexer_dki_kernel(
+    Q, K, QI, KI, W, TOPK, CU, LSE, LSE2, COEF_A, COEF_B, GRAD_SCALE, DKI,
+    sqb, sqh, sqn, sqd, skb, skh, skn, skd, sib, sig, sin, sid, skib, skin, skid, swb, swg, swn,
+    H, NQ, NK, G, GROUP, CPG, N_CHUNKS, TOPK_W, c_log2, inv_h,
+    D: tl.constexpr, DI: tl.constexpr, DIP: tl.constexpr, BD: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, HB: tl.constexpr, GP: tl.constexpr,
+    CAUSAL: tl.constexpr, VARLEN: tl.constexpr, SPARSE: tl.constexpr,
+    PREC_T: tl.constexpr, PREC_S: tl.constexpr,
+):  # fmt: skip
+    # grid: (cdiv(Sk or max_seqlen, BN), B or num_seqs). The program owns keys n0 .. n0 + BN - 1
+    # of its sequence, holds their ki tile [BN, DIP] and a float32 dki tile [BN, DIP], and walks
+    # the row tiles from the first that sees key n0 (causal) to the sequence's end. Per row tile,
+    # the main pass's step: teacher mixture p [BM, BN] (head chunks stacked as GEMM rows), the
+    # student's stacked [GP * BM, DIP] qi against the ki tile, dI = a q - b p with (a, b) of
+    # COEF_A, COEF_B (rows with both 0 skipped; scaled so that the largest is 1, dz rounded to
+    # the inputs' dtype at that size), dki += dz^T @ qi, times GRAD_SCALE at the end. Reads q, k,
+    # qi, ki, w, LSE (B, H, Sq), LSE2 (B, Sq), cu_seqlens (VARLEN), COEF_A/COEF_B/GRAD_SCALE;
+    # writes its rows of DKI
+    # (B, Sk, Di) fp32, every key of the tile (zero where no row adds anything). TOPK, TOPK_W:
+    # the main pass's arguments, unused (SPARSE is False).
+    z = tl.program_id(1)
+    b, seq0, q_len, k_len = sequence(CU, z, NQ, NK, VARLEN)
+    n0 = tl.program_id(0) * BN
+    if n0 >= k_len:
+        return
+    b64 = b.to(tl.int64)
+    seq64 = seq0.to(tl.int64)
+    diag = k_len - q_len
+    key = n0 + tl.arange(0, BN)
+    ok = key < k_len
+    offs_di = tl.arange(0, DIP)
+    ki = load_keys(KI + b64 * skib + seq64 * skin, key, ok, skin, skid, 0, DI, DIP)
+    Q_B = Q + b64 * sqb + seq64 * sqn
+    K_B = K + b64 * skb + seq64 * skn
+    LSE_B = LSE + b64 * H * NQ + seq64
+    QI_B = QI + b64 * sib + seq64 * sin
+    W_B = W + b64 * swb + seq64 * swn
+
+    M: tl.constexpr = HB * BM
+    MG: tl.constexpr = GP * BM
+    g_slot = tl.arange(0, MG) // BM
+    g_ok = g_slot < G
+    r_lo = 0
+    if CAUSAL:
+        r_lo = tl.maximum(n0 - diag, 0) // BM * BM  # row i sees key j when j <= i + diag
+    dki = tl.zeros([BN, DIP], tl.float32)
+    for r0 in range(r_lo, q_len, BM):
+        rows = r0 + tl.arange(0, BM)
+        row_ok = rows < q_len
+        row_at = b64 * NQ + seq64 + rows
+        coef_a = tl.load(COEF_A + row_at, mask=row_ok, other=0.0)
+        coef_b = tl.load(COEF_B + row_at, mask=row_ok, other=0.0)
+        if tl.max(tl.abs(coef_a) + tl.abs(coef_b), 0) > 0.0:
+            lse2 = tl.load(LSE2 + row_at, mask=row_ok, other=float("-inf"))
+            lse2 = tl.where(lse2 > float("-inf"), lse2, float("inf"))
+            t_rows = r0 + tl.arange(0, M) % BM
+            t_row_ok = t_rows < q_len
+            adm = admitted(rows, q_len, key, ok, k_len, diag, CAUSAL)
+            t_adm = admitted(t_rows, q_len, key, ok, k_len, diag, CAUSAL)
+            p = teacher_mixture(
+                Q_B, K_B, LSE_B, NQ, t_rows, t_row_ok, key, ok, t_adm, N_CHUNKS, GROUP, CPG, c_log2, inv_h,
+                sqh, sqn, sqd, skh, skn, skd, D, BD, HB, BM, BN, PREC_T,
+            )  # fmt: skip
+            g_rows = r0 + tl.arange(0, MG) % BM
+            g_row_ok = g_rows < q_len
+            qi = load_rows(QI_B, g_slot, g_rows, g_ok, g_row_ok, sig, sin, sid, 0, DI, DIP)
+            w_ptrs = W_B + g_slot.to(tl.int64) * swg + g_rows.to(tl.int64) * swn
+            w_s = tl.load(w_ptrs, mask=g_ok & g_row_ok, other=0.0).to(tl.float32)
+            scores, zs = index_scores(qi, ki, w_s, GP, BM, BN, PREC_S)
+            log_q = tl.where(adm, scores - lse2[:, None], 0.0)
+            q = tl.where(adm, tl.exp(log_q), 0.0)
+            d_scores = stack(coef_a[:, None] * q - coef_b[:, None] * p, GP, BM, BN)
+            dz = tl.where(zs > 0.0, d_scores * w_s[:, None], 0.0)
+            dki += tl.dot(tl.trans(dz.to(qi.dtype)), qi, input_precision=PREC_S)
+    ptrs = DKI + (b64 * NK + seq64 + key.to(tl.int64))[:, None] * DI + offs_di[None, :]
+    dki *= tl.load(GRAD_SCALE)
+    tl.store(ptrs, dki, mask=ok[:, None] & (offs_di[None, :] < DI))
