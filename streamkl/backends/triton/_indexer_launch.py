@@ -18,6 +18,7 @@ import triton
 
 from ..._spec import IndexerKLGrads, IndexerKLInputs, IndexerKLSpec, IndexerKLStats
 from ._config import pow2_dim
+from . import _indexer_dki
 from ._indexer_lse import _indexer_lse_kernel
 from ._indexer_main import _indexer_main_kernel
 from ._launch import LOG2E, PLAN_CACHE_SIZE, _launch
@@ -243,7 +244,12 @@ def backward(
     coef_a = torch.where(has_mass, g, 0.0).contiguous()
     coef_b = torch.where(has_mass, g / torch.where(has_mass, mass, 1.0), 0.0).contiguous()
     call = _call(spec, inputs, kl)
-    _main_pass(call, spec, (lse, lse2, kl, mass), (coef_a, coef_b), (dqi, dki, dw), False, 2, False)
+    by_key = _indexer_dki.by_key(spec)  # deterministic mode: dki from the key-major pass
+    if not by_key or dqi is not None or dw is not None:
+        main = (dqi, None if by_key else dki, dw)
+        _main_pass(call, spec, (lse, lse2, kl, mass), (coef_a, coef_b), main, False, 2, False)
+    if by_key:
+        _indexer_dki.dki_pass(call, spec, lse, lse2, (coef_a, coef_b), dki)
     return IndexerKLGrads(dqi, None if dki is None else dki.to(inputs.ki.dtype), dw)
 
 
@@ -260,14 +266,22 @@ def forward_with_grads(spec: IndexerKLSpec, inputs: IndexerKLInputs) -> tuple[In
     kl = torch.empty((spec.batch, spec.nq), device=inputs.q.device, dtype=torch.float32)
     mass = torch.empty_like(kl)
     call = _call(spec, inputs, kl)
+    by_key = _indexer_dki.by_key(spec)  # deterministic mode: dki from the key-major pass
+    main = (dqi, None if by_key else dki, dw)
     lse, lse2 = _stats_pass(spec, inputs, call)
     stats = (lse, lse2, kl, mass)
-    _main_pass(call, spec, stats, (kl, kl), (dqi, dki, dw), True, 1, False)
+    _main_pass(call, spec, stats, (kl, kl), main, True, 1, False)
+    ones = torch.ones_like(kl)
+    dki_coefs = (ones, ones)
     if inputs.lse is not None and any(spec.needs):
         tolerance = torch.finfo(inputs.qi.dtype).eps / 4
         has_mass = mass > 0
         excess = 1.0 / torch.where(has_mass, mass, 1.0) - 1.0
         coef_a = torch.where(~has_mass & (lse2 > float("-inf")), -1.0, 0.0).contiguous()
         coef_b = torch.where(has_mass & (excess.abs() > tolerance), excess, 0.0).contiguous()
-        _main_pass(call, spec, stats, (coef_a, coef_b), (dqi, dki, dw), False, 2, True)
+        if any(t is not None for t in main):
+            _main_pass(call, spec, stats, (coef_a, coef_b), main, False, 2, True)
+        dki_coefs = (ones + coef_a, ones + coef_b)  # the two passes' dI in one
+    if by_key:
+        _indexer_dki.dki_pass(call, spec, lse, lse2, dki_coefs, dki)
     return IndexerKLStats(kl, lse, lse2, mass), IndexerKLGrads(dqi, dki, dw)
