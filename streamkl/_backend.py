@@ -86,13 +86,13 @@ class IndexerKLBackend(Protocol):
         ...
 
     def forward_with_grads(
-        self, spec: IndexerKLSpec, inputs: IndexerKLInputs
+        self, spec: IndexerKLSpec, inputs: IndexerKLInputs, reduction: str
     ) -> tuple[IndexerKLStats, IndexerKLGrads]:
         """The training step of a reduced loss (docs/indexer.md, "One teacher pass per training
-        step"): forward's statistics and the gradients of sum_rows KL (every row's upstream
-        gradient 1) that spec.needs asks for, which the op scales by the upstream scalar (over
-        the divisor for "mean"). dqi and dw in their inputs' dtypes or in float32 (rounded once,
-        after the scale); dki, a sum over rows, in the statistics' dtype (float32, float64 for
-        float64 inputs), so it cannot overflow before the scale. A backend with a fused kernel
-        streams the teacher once; one without runs forward, then backward with a gradient of ones."""
+        step"): forward's statistics and the gradients of the loss reduced by `reduction` ("sum"
+        or "mean": every row's upstream gradient _spec.reduced_row_weight) that spec.needs asks
+        for, which the op scales by the upstream scalar. dqi and dw in their inputs' dtypes;
+        dki, a sum over rows, in the statistics' dtype (float32, float64 for float64 inputs).
+        A backend with a fused kernel streams the teacher once; one without runs forward, then
+        backward with those row weights."""
         ...

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import torch
 from torch import Tensor
 
 NO_GRADS = (False, False, False, False)
@@ -29,6 +30,15 @@ def visible_keys(row: int, nq: int, nk: int, causal: bool) -> int:
     if not causal:
         return nk
     return max(0, min(nk, row + causal_offset(nq, nk) + 1))
+
+
+def reduced_row_weight(lse2: Tensor, reduction: str) -> Tensor:
+    """Every row's upstream gradient in indexer_kl's reduced loss, a 0-d tensor in lse2's dtype:
+    1 for "sum", 1 / the rows that see a key (their student LSE finite; at least 1) for "mean".
+    A tensor, not a host int: with topk it depends on the indices' values."""
+    if reduction == "sum":
+        return lse2.new_ones(())
+    return torch.isneginf(lse2).logical_not_().sum().clamp_min(1).to(lse2.dtype).reciprocal_()
 
 
 class AttnKLInputs(NamedTuple):

@@ -285,6 +285,14 @@ def test_paper_table_sets_streamkl_against_the_papers_baselines():
     assert len(lines) == 4
 
 
+def test_paper_comparison_table_matches_its_json():
+    """docs/paper_comparison.md's table is what report.paper_table makes of the JSON it names."""
+    text = (ROOT / "docs" / "paper_comparison.md").read_text()
+    block = re.search(r"<!-- bench:paper:start (\S+) -->\n(.*?)<!-- bench:paper:end -->", text, re.S)
+    assert block, "docs/paper_comparison.md: no bench:paper block"
+    assert block[2] == report.paper_table(report.load(ROOT / "docs" / block[1]))
+
+
 def test_readme_block_is_generated_from_the_json_it_names(smoke_run, tmp_path):
     out, data = smoke_run
     run_json = tmp_path / "docs" / "run" / "results.json"

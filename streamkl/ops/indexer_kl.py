@@ -3,13 +3,13 @@
     streamkl::indexer_kl_fwd  -> (kl, lse, lse2, mass)  the forward (differentiable in kl)
     streamkl::indexer_kl_bwd  -> (dqi, dki, dw)         recompute backward; an unneeded gradient
                                                         comes back as an empty tensor
-    streamkl::indexer_kl_step -> (loss, factor, dqi, dki, dw)
+    streamkl::indexer_kl_step -> (loss, dqi, dki, dw)
                               the training step of a reduced loss ("sum"/"mean" with a gradient
-                              needed): the backend's forward_with_grads, gradients formed while
-                              the teacher streams (docs/indexer.md, "One teacher pass per
-                              training step"); differentiable in loss, its backward
+                              needed): the backend's forward_with_grads, the loss's gradients
+                              formed while the teacher streams (docs/indexer.md, "One teacher
+                              pass per training step"); differentiable in loss, its backward
                               (streamkl::indexer_kl_step_bwd) only scales them by the upstream
-                              gradient times factor (1, or 1 / the rows that see a key)
+                              gradient
     streamkl::indexer_kl      the public op: the step, or forward + reduction
                               (CompositeImplicitAutograd, so a compiled graph holds the ops above
                               and the reduction)
@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from .. import _checks, _dispatch, _env
-from .._spec import IndexerKLInputs, IndexerKLSpec, IndexerKLStats
+from .._spec import IndexerKLInputs, IndexerKLSpec, IndexerKLStats, reduced_row_weight
 from ._common import needs_grad, on_device, once_differentiable, plain, refuse_unsupported_autograd
 
 OP = "indexer_kl"
@@ -58,36 +58,24 @@ def _backward(impl, spec: IndexerKLSpec, inputs: IndexerKLInputs, stats: Indexer
         return _dispatch.backward_of(impl).backward(spec, inputs, stats, grad_kl)
 
 
-def _seen_rows(lse2: Tensor) -> Tensor:
-    """The rows that see a key (their student LSE is finite), at least 1: the divisor of
-    reduction="mean". A tensor, not a host int: with topk it depends on the indices' values."""
-    return torch.isneginf(lse2).logical_not_().sum().clamp_min(1).to(lse2.dtype)
-
-
 def _reduce(kl: Tensor, reduction: str, lse2: Tensor) -> Tensor:
     if reduction == "none":
         return kl
-    total = kl.sum()
-    return total if reduction == "sum" else total / _seen_rows(lse2)
+    return kl.sum() * reduced_row_weight(lse2, reduction)
 
 
 def _step(impl, spec: IndexerKLSpec, inputs: IndexerKLInputs, reduction: str):
-    """(loss, factor, (dqi, dki, dw)): the reduced loss, the factor from gradients of the sum to
-    the loss's (1, or 1 / the rows that see a key) and the backend's gradients of the sum."""
+    """(loss, (dqi, dki, dw)): the reduced loss and the backend's gradients of it."""
     with on_device(inputs.q):
-        stats, grads = impl.forward_with_grads(spec, inputs)
-    total = stats.kl.sum()
-    dtype = _out_dtype(inputs.q, inputs.qi, inputs.w)
-    if reduction == "sum":
-        factor = torch.ones((), dtype=total.dtype, device=total.device)
-    else:
-        factor = _seen_rows(stats.lse2).reciprocal_()
-    return (total * factor).to(dtype), factor.to(dtype), grads
+        stats, grads = impl.forward_with_grads(spec, inputs, reduction)
+    loss = _reduce(stats.kl, reduction, stats.lse2)
+    return loss.to(_out_dtype(inputs.q, inputs.qi, inputs.w)), grads
 
 
 def _scaled(grads, scale: Tensor, students) -> list:
-    """Each gradient of the sum times `scale` (the upstream gradient times the factor), in its
-    input's dtype, contiguous; None stays None."""
+    """Each gradient of the loss times `scale` (the upstream gradient), in its input's dtype: a
+    16-bit gradient is multiplied in its dtype (one rounding, none for a scale of 1); None stays
+    None."""
     return [
         None if d is None else (d * scale.to(torch.promote_types(d.dtype, torch.float32))).to(t.dtype)
         for d, t in zip(grads, students)
@@ -212,13 +200,13 @@ def indexer_kl_step(
     reduction: str,
     needs: list[bool],
     backend: str | None = None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     call = dict(lse=lse, topk=topk, causal=causal, scale=scale, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
     spec = _checks.indexer_kl_spec(q, k, qi, ki, w, **call).with_needs(needs)
     _env.check_all()
     inputs = IndexerKLInputs(q, k, qi, ki, w, lse, topk, cu_seqlens)
-    loss, factor, grads = _step(_dispatch.select(OP, spec, inputs, backend), spec, inputs, reduction)
-    return loss, factor, *(g if g is not None else t.new_empty(0) for g, t in zip(grads, (qi, ki, w)))
+    loss, grads = _step(_dispatch.select(OP, spec, inputs, backend), spec, inputs, reduction)
+    return loss, *(g if g is not None else t.new_empty(0) for g, t in zip(grads, (qi, ki, w)))
 
 
 @indexer_kl_step.register_fake
@@ -231,20 +219,20 @@ def _(q, k, qi, ki, w, lse, topk, causal, scale, cu_seqlens, max_seqlen, reducti
     grads = (
         t.new_empty(t.shape if need else (0,), dtype=d) for t, d, need in zip((qi, ki, w), dtypes, needs)
     )
-    return loss, torch.empty_like(loss), *grads
+    return loss, *grads
 
 
 @torch.library.custom_op("streamkl::indexer_kl_step_bwd", mutates_args=())
 def indexer_kl_step_bwd(
-    grad_loss: Tensor, factor: Tensor, dqi: Tensor, dki: Tensor, dw: Tensor, qi: Tensor, ki: Tensor, w: Tensor
+    grad_loss: Tensor, dqi: Tensor, dki: Tensor, dw: Tensor, qi: Tensor, ki: Tensor, w: Tensor
 ) -> tuple[Tensor, Tensor, Tensor]:
-    # The step's gradients of the sum times grad_loss * factor, in the dtypes of qi, ki, w (read
-    # for their dtypes only); an empty (unneeded) one stays empty.
-    return tuple(_scaled((dqi, dki, dw), grad_loss * factor, (qi, ki, w)))
+    # The step's gradients of the loss times grad_loss, in the dtypes of qi, ki, w (read for
+    # their dtypes only); an empty (unneeded) one stays empty.
+    return tuple(_scaled((dqi, dki, dw), grad_loss, (qi, ki, w)))
 
 
 @indexer_kl_step_bwd.register_fake
-def _(grad_loss, factor, dqi, dki, dw, qi, ki, w):
+def _(grad_loss, dqi, dki, dw, qi, ki, w):
     return tuple(d.new_empty(d.shape, dtype=t.dtype) for d, t in zip((dqi, dki, dw), (qi, ki, w)))
 
 
@@ -252,12 +240,12 @@ def _setup_step(ctx, inputs, output):
     qi, ki, w = inputs[2:5]
     ctx.save_for_backward(*output[1:], qi, ki, w)
     ctx.formed = tuple(inputs[12])  # the gradients the step formed (needs)
-    ctx.mark_non_differentiable(*output[1:])  # factor and the gradients are internal outputs
+    ctx.mark_non_differentiable(*output[1:])  # the gradients are internal outputs
 
 
 def _step_backward(ctx, grad_loss, *_):
-    factor, dqi, dki, dw, qi, ki, w = ctx.saved_tensors
-    grads = indexer_kl_step_bwd(grad_loss, factor, dqi, dki, dw, qi, ki, w)
+    dqi, dki, dw, qi, ki, w = ctx.saved_tensors
+    grads = indexer_kl_step_bwd(grad_loss, dqi, dki, dw, qi, ki, w)
     needs = [need and formed for need, formed in zip(ctx.needs_input_grad[2:5], ctx.formed)]
     return (None, None, *(g if need else None for g, need in zip(grads, needs)), *(None,) * 9)
 
@@ -288,7 +276,7 @@ class _IndexerKL(torch.autograd.Function):
         stats = IndexerKLStats(*stats)
         impl, spec, reduction = ctx.call
         if reduction != "none":  # every row's KL enters the sum once
-            grad = (grad / _seen_rows(stats.lse2) if reduction == "mean" else grad).expand(stats.kl.shape)
+            grad = (grad * reduced_row_weight(stats.lse2, reduction)).expand(stats.kl.shape)
         spec = spec.with_needs(ctx.needs_input_grad[5:8])
         inputs = IndexerKLInputs(q, k, qi, ki, w, lse, topk, ctx.cu_seqlens)
         grads = _backward(impl, spec, inputs, stats, grad)
@@ -298,21 +286,21 @@ class _IndexerKL(torch.autograd.Function):
 
 class _IndexerKLStep(torch.autograd.Function):
     """indexer_kl_step without the dispatcher, for validated eager calls of a reduced loss that
-    needs a gradient: the backend forms the gradients of the sum in the forward; the backward
-    scales them."""
+    needs a gradient: the backend forms the loss's gradients in the forward; the backward scales
+    them by the upstream gradient."""
 
     @staticmethod
     def forward(ctx, impl, spec, reduction, q, k, qi, ki, w, lse, topk, cu_seqlens):
         spec = spec.with_needs(ctx.needs_input_grad[5:8])
         inputs = IndexerKLInputs(q, k, qi, ki, w, lse, topk, cu_seqlens)
-        loss, factor, grads = _step(impl, spec, inputs, reduction)
-        ctx.save_for_backward(factor, *grads, qi, ki, w)
+        loss, grads = _step(impl, spec, inputs, reduction)
+        ctx.save_for_backward(*grads, qi, ki, w)
         return loss
 
     @staticmethod
     def backward(ctx, grad):
-        factor, dqi, dki, dw, qi, ki, w = ctx.saved_tensors
-        grads = _scaled((dqi, dki, dw), grad * factor, (qi, ki, w))
+        dqi, dki, dw, qi, ki, w = ctx.saved_tensors
+        grads = _scaled((dqi, dki, dw), grad, (qi, ki, w))
         tied = once_differentiable(OP, tuple(grads), grad, qi, ki, w)
         return (None,) * 5 + (*tied, None, None, None)
 

@@ -25,7 +25,14 @@ import math
 import torch
 
 from .. import _checks, _env
-from .._spec import IndexerKLGrads, IndexerKLInputs, IndexerKLSpec, IndexerKLStats, causal_offset
+from .._spec import (
+    IndexerKLGrads,
+    IndexerKLInputs,
+    IndexerKLSpec,
+    IndexerKLStats,
+    causal_offset,
+    reduced_row_weight,
+)
 
 op = "indexer_kl"
 backward_backend = None
@@ -239,11 +246,14 @@ def backward(spec: IndexerKLSpec, inputs: IndexerKLInputs, stats: IndexerKLStats
     return _gradients(spec, inputs, stats, grad_kl, cast_dki=True)
 
 
-def forward_with_grads(spec: IndexerKLSpec, inputs: IndexerKLInputs) -> tuple[IndexerKLStats, IndexerKLGrads]:
-    """forward, then the backward's gradients for a gradient of ones (no fused kernel here), dki
-    left in the compute dtype (streamkl/_backend.py)."""
+def forward_with_grads(
+    spec: IndexerKLSpec, inputs: IndexerKLInputs, reduction: str
+) -> tuple[IndexerKLStats, IndexerKLGrads]:
+    """forward, then the backward's gradients for every row's weight in the reduced loss (no
+    fused kernel here), dki left in the compute dtype (streamkl/_backend.py)."""
     stats = forward(spec, inputs)
-    return stats, _gradients(spec, inputs, stats, torch.ones_like(stats.kl), cast_dki=False)
+    weight = reduced_row_weight(stats.lse2, reduction).expand(stats.kl.shape)
+    return stats, _gradients(spec, inputs, stats, weight, cast_dki=False)
 
 
 def _gradients(spec, inputs, stats, grad_kl, cast_dki: bool) -> IndexerKLGrads:

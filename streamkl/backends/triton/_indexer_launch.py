@@ -3,9 +3,10 @@ passed (no input copied; topk is deduplicated into a sorted int32 copy).
 
     forward             pass 1 (LSE2, and the teacher's LSE when not given), main pass (KL, T)
     backward            main pass with a = g [T > 0], b = g / T: the recompute backward
-    forward_with_grads  pass 1, main pass writing KL, T and the gradients of sum_rows KL with
-                        a = b = 1 (T = 1), then, with a given lse, the main pass again on the rows
-                        whose T is not 1 (docs/indexer.md, "One teacher pass per training step")
+    forward_with_grads  pass 1, main pass writing KL, T and the reduced loss's gradients with
+                        a = b = each row's weight (T = 1), then, with a given lse, the main pass
+                        again on the rows whose T is not 1 (docs/indexer.md, "One teacher pass
+                        per training step")
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import NamedTuple
 import torch
 import triton
 
-from ..._spec import IndexerKLGrads, IndexerKLInputs, IndexerKLSpec, IndexerKLStats
+from ..._spec import IndexerKLGrads, IndexerKLInputs, IndexerKLSpec, IndexerKLStats, reduced_row_weight
 from ._config import pow2_dim
 from . import _indexer_dki
 from ._indexer_lse import _indexer_lse_kernel
@@ -176,9 +177,18 @@ def _stats_pass(
     return lse, lse2
 
 
+def _normalized(coef_a: torch.Tensor, coef_b: torch.Tensor):
+    """(a / s, b / s, s) with s the largest |a|, |b| (1 where all are 0), contiguous, s of shape
+    (1,): the main pass rounds dz = (a q - b p) w to 16 bits before its GEMMs and multiplies its
+    sums by s, so small row weights (a mean's 1 / rows) keep float16's full precision."""
+    s = torch.maximum(coef_a.abs().amax(), coef_b.abs().amax()).reshape(1)
+    s = torch.where(s > 0, s, 1.0)
+    return (coef_a / s).contiguous(), (coef_b / s).contiguous(), s
+
+
 def _main_pass(call: _Call, spec, stats, coefs, outputs, write_kl, grads, accumulate):
     lse, lse2, kl, mass = stats
-    coef_a, coef_b = coefs
+    coef_a, coef_b, scale = _normalized(*coefs) if grads else (kl, kl, kl)
     dqi, dki, dw = outputs
     needs = (dqi is not None, dki is not None, dw is not None)
     out = tuple(t if t is not None else kl for t in (dqi, dki, dw))  # placeholders are never written
@@ -187,7 +197,7 @@ def _main_pass(call: _Call, spec, stats, coefs, outputs, write_kl, grads, accumu
         call.plan, WRITE_KL=write_kl, GRADS=grads, ACCUMULATE=accumulate, NEED_DQI=need_dqi,
         NEED_DKI=need_dki, NEED_DW=need_dw,
     )  # fmt: skip
-    tensors = (*call.lead, lse, lse2, coef_a, coef_b, kl, mass, *out)
+    tensors = (*call.lead, lse, lse2, coef_a, coef_b, scale, kl, mass, *out)
     args = (*tensors, *call.strides, *call.plan.scalars, 1.0 / spec.heads)
     _launch(_indexer_main_kernel, call.plan.grid, args, consts)
 
@@ -215,19 +225,19 @@ def forward(spec: IndexerKLSpec, inputs: IndexerKLInputs) -> IndexerKLStats:
     mass = torch.empty_like(kl)
     call = _call(spec, inputs, kl)
     lse, lse2 = _stats_pass(spec, inputs, call)
-    _main_pass(call, spec, (lse, lse2, kl, mass), (kl, kl), (None,) * 3, True, 0, False)
+    _main_pass(call, spec, (lse, lse2, kl, mass), (kl, kl), (None,) * 3, True, False, False)
     return IndexerKLStats(kl, lse, lse2, mass)
 
 
-def _grad_outputs(spec: IndexerKLSpec, inputs: IndexerKLInputs, dtype: torch.dtype | None):
-    """(dqi, dki accumulator, dw) where spec.needs asks: dki a zeroed float32 buffer (atomics);
-    dqi, dw (each row written once) in `dtype`, None: their inputs' dtypes."""
+def _grad_outputs(spec: IndexerKLSpec, inputs: IndexerKLInputs):
+    """(dqi, dki accumulator, dw) where spec.needs asks: dqi, dw in their inputs' dtypes (each row
+    written once), dki a zeroed float32 buffer (atomics)."""
     qi, ki, w = inputs.qi, inputs.ki, inputs.w
     need_dqi, need_dki, need_dw = spec.needs
     alloc = torch.zeros if _empty(spec) else torch.empty
-    dqi = alloc(qi.shape, device=qi.device, dtype=dtype or qi.dtype) if need_dqi else None
+    dqi = alloc(qi.shape, device=qi.device, dtype=qi.dtype) if need_dqi else None
     dki = torch.zeros(ki.shape, device=ki.device, dtype=torch.float32) if need_dki else None
-    dw = alloc(w.shape, device=w.device, dtype=dtype or w.dtype) if need_dw else None
+    dw = alloc(w.shape, device=w.device, dtype=w.dtype) if need_dw else None
     return dqi, dki, dw
 
 
@@ -235,32 +245,35 @@ def backward(
     spec: IndexerKLSpec, inputs: IndexerKLInputs, stats: IndexerKLStats, grad_kl: torch.Tensor
 ) -> IndexerKLGrads:
     """The backend's backward: the main pass again, dI = g (softmax(I) [T > 0] - p / T)."""
-    dqi, dki, dw = _grad_outputs(spec, inputs, None)
+    dqi, dki, dw = _grad_outputs(spec, inputs)
     if _empty(spec) or not any(spec.needs):
         return IndexerKLGrads(dqi, None if dki is None else dki.to(inputs.ki.dtype), dw)
     kl, lse, lse2, mass = (t.to(torch.float32).contiguous() for t in stats)
     g = grad_kl.to(torch.float32)
     has_mass = mass > 0
-    coef_a = torch.where(has_mass, g, 0.0).contiguous()
-    coef_b = torch.where(has_mass, g / torch.where(has_mass, mass, 1.0), 0.0).contiguous()
+    coef_a = torch.where(has_mass, g, 0.0)
+    coef_b = torch.where(has_mass, g / torch.where(has_mass, mass, 1.0), 0.0)
     call = _call(spec, inputs, kl)
     by_key = _indexer_dki.by_key(spec)  # deterministic mode: dki from the key-major pass
     if not by_key or dqi is not None or dw is not None:
         main = (dqi, None if by_key else dki, dw)
-        _main_pass(call, spec, (lse, lse2, kl, mass), (coef_a, coef_b), main, False, 2, False)
+        _main_pass(call, spec, (lse, lse2, kl, mass), (coef_a, coef_b), main, False, True, False)
     if by_key:
         _indexer_dki.dki_pass(call, spec, lse, lse2, (coef_a, coef_b), dki)
     return IndexerKLGrads(dqi, None if dki is None else dki.to(inputs.ki.dtype), dw)
 
 
-def forward_with_grads(spec: IndexerKLSpec, inputs: IndexerKLInputs) -> tuple[IndexerKLStats, IndexerKLGrads]:
-    """The statistics and the gradients of sum_rows KL (streamkl/_backend.py), the teacher
-    streamed once: dI = q - p is exact where T = 1, which holds (to rounding) when this call
-    computes lse. With a given lse, a correction pass adds -q on rows of no target mass and
-    -(1/T - 1) p where T differs from 1 by more than a quarter of the inputs' rounding; its
-    programs whose rows need nothing exit at once. dqi and dw stay float32: the op scales them
-    by the upstream gradient (over the rows for "mean"), so they are rounded to 16 bits once."""
-    dqi, dki, dw = _grad_outputs(spec, inputs, torch.float32)
+def forward_with_grads(
+    spec: IndexerKLSpec, inputs: IndexerKLInputs, reduction: str
+) -> tuple[IndexerKLStats, IndexerKLGrads]:
+    """The statistics and the reduced loss's gradients (streamkl/_backend.py), the teacher
+    streamed once: dI = w_r (q - p) with w_r every row's weight in the loss (the rows that see a
+    key known after pass 1) is exact where T = 1, which holds (to rounding) when this call
+    computes lse. With a given lse, a correction pass adds -w_r q on rows of no target mass and
+    -w_r (1/T - 1) p where T differs from 1 by more than a quarter of the inputs' rounding; its
+    programs whose rows need nothing exit at once. dqi and dw are written in their inputs'
+    dtypes, each element rounded once (twice on a corrected row)."""
+    dqi, dki, dw = _grad_outputs(spec, inputs)
     if _empty(spec):
         return _empty_stats(spec, inputs), IndexerKLGrads(dqi, dki, dw)
     kl = torch.empty((spec.batch, spec.nq), device=inputs.q.device, dtype=torch.float32)
@@ -270,18 +283,18 @@ def forward_with_grads(spec: IndexerKLSpec, inputs: IndexerKLInputs) -> tuple[In
     main = (dqi, None if by_key else dki, dw)
     lse, lse2 = _stats_pass(spec, inputs, call)
     stats = (lse, lse2, kl, mass)
-    _main_pass(call, spec, stats, (kl, kl), main, True, 1, False)
-    ones = torch.ones_like(kl)
-    dki_coefs = (ones, ones)
+    weight = reduced_row_weight(lse2, reduction).expand(kl.shape)
+    _main_pass(call, spec, stats, (weight, weight), main, True, True, False)
+    dki_coefs = (weight, weight)
     if inputs.lse is not None and any(spec.needs):
         tolerance = torch.finfo(inputs.qi.dtype).eps / 4
         has_mass = mass > 0
         excess = 1.0 / torch.where(has_mass, mass, 1.0) - 1.0
-        coef_a = torch.where(~has_mass & (lse2 > float("-inf")), -1.0, 0.0).contiguous()
-        coef_b = torch.where(has_mass & (excess.abs() > tolerance), excess, 0.0).contiguous()
+        coef_a = torch.where(~has_mass & (lse2 > float("-inf")), -weight, 0.0)
+        coef_b = torch.where(has_mass & (excess.abs() > tolerance), excess * weight, 0.0)
         if any(t is not None for t in main):
-            _main_pass(call, spec, stats, (coef_a, coef_b), main, False, 2, True)
-        dki_coefs = (ones + coef_a, ones + coef_b)  # the two passes' dI in one
+            _main_pass(call, spec, stats, (coef_a, coef_b), main, False, True, True)
+        dki_coefs = (weight + coef_a, weight + coef_b)  # the two passes' dI in one
     if by_key:
         _indexer_dki.dki_pass(call, spec, lse, lse2, dki_coefs, dki)
     return IndexerKLStats(kl, lse, lse2, mass), IndexerKLGrads(dqi, dki, dw)

@@ -9,9 +9,12 @@ the index scores I_j and log q_j = I_j - LSE2. Then, as asked:
              term is a log-ratio of target to student, so nothing of the size of the scores
              cancels (A/T against LSE2 would, at scores ~1e2), and with LSE2 known no online
              rescaling is needed.
-  GRADS      dI_j = a q_j - b p_j with per-row (a, b): 1: a = b = 1 (the fused training step,
-             T = 1: the gradients of sum_rows KL); 2: read from COEF_A, COEF_B (the backward:
-             a = g [T > 0], b = g / T; the fused step's correction where T != 1). Then
+  GRADS      dI_j = a q_j - b p_j with per-row (a, b) read from COEF_A, COEF_B (the backward:
+             a = g [T > 0], b = g / T; the fused training step: a = b = the row's weight in the
+             reduced loss, T = 1; its correction where T != 1), scaled so that the largest is
+             1, their scale s read from GRAD_SCALE and applied to the sums below: dz is rounded
+             to 16 bits before the GEMMs, and a mean's 1 / rows would push float16 into its
+             subnormals. Then
              dz_g = dI w_g [z_g > 0] and dw_g += sum_j dI_j relu(z_g), dqi_g += dz_g @ ki (both
              per row, in registers), dki += dz^T @ qi (fp32 atomics: a key's rows live in many
              programs, and a key-major pass would recompute the teacher, the cost this pass exists
@@ -30,7 +33,7 @@ from ._tiles import key_range, sequence
 
 @triton.jit(do_not_specialize=["H", "NQ", "NK", "G", "GROUP", "CPG", "N_CHUNKS", "TOPK_W"])
 def _indexer_main_kernel(
-    Q, K, QI, KI, W, TOPK, CU, LSE, LSE2, COEF_A, COEF_B, KL, MASS, DQI, DKI, DW,
+    Q, K, QI, KI, W, TOPK, CU, LSE, LSE2, COEF_A, COEF_B, GRAD_SCALE, KL, MASS, DQI, DKI, DW,
     sqb, sqh, sqn, sqd, skb, skh, skn, skd, sib, sig, sin, sid, skib, skin, skid, swb, swg, swn,
     H, NQ, NK, G, GROUP, CPG, N_CHUNKS, TOPK_W, c_log2, inv_h,
     D: tl.constexpr, DI: tl.constexpr, DIP: tl.constexpr, BD: tl.constexpr,
@@ -48,7 +51,7 @@ def _indexer_main_kernel(
     # G heads x BM rows as one [GP * BM, DIP] operand held for the whole walk against the
     # [BN, DIP] ki tile. Registers also hold dqi [GP * BM, DIP] and dw [GP * BM] (fp32). All
     # warps share every step (no warp roles). Reads q, k, qi, ki, w, LSE (B, H, Sq), LSE2
-    # (B, Sq), topk (SPARSE), cu_seqlens (VARLEN), COEF_A/COEF_B (GRADS == 2); writes KL and
+    # (B, Sq), topk (SPARSE), cu_seqlens (VARLEN), COEF_A/COEF_B/GRAD_SCALE (GRADS); writes KL and
     # MASS (B, Sq) fp32 (WRITE_KL), its rows of dqi (B, G, Sq, Di) and dw (B, G, Sq) in their
     # dtypes, and adds into dki (B, Sk, Di) fp32 with atomics.
     z = tl.program_id(1)
@@ -61,16 +64,18 @@ def _indexer_main_kernel(
     rows = r0 + tl.arange(0, BM)
     row_ok = rows < q_len
     row_at = b64 * NQ + seq64 + rows  # (B, Sq) statistics of the rows
-    if GRADS == 2:
+    if GRADS:
         coef_a = tl.load(COEF_A + row_at, mask=row_ok, other=0.0)
         coef_b = tl.load(COEF_B + row_at, mask=row_ok, other=0.0)
+        grad_scale = tl.load(GRAD_SCALE)
         idle = tl.max(tl.abs(coef_a) + tl.abs(coef_b), 0) == 0.0  # no row adds anything
         if ACCUMULATE:
             if idle:
                 return  # the correction: nothing to add to these rows
     else:
-        coef_a = tl.full([BM], 1.0, tl.float32)
-        coef_b = tl.full([BM], 1.0, tl.float32)
+        coef_a = tl.zeros([BM], tl.float32)
+        coef_b = tl.zeros([BM], tl.float32)
+        grad_scale = 0.0
         idle = r0 < 0
     diag = k_len - q_len
     if SPARSE:
@@ -121,7 +126,7 @@ def _indexer_main_kernel(
             mass += tl.sum(p, 1)
             pos = p > 0.0
             ratio += tl.sum(tl.where(pos, p * (tl.log(tl.where(pos, p, 1.0)) - log_q), 0.0), 1)
-        if GRADS != 0:
+        if GRADS:
             q = tl.where(adm, tl.exp(log_q), 0.0)
             d_scores = stack(coef_a[:, None] * q - coef_b[:, None] * p, GP, BM, BN)
             if NEED_DW:
@@ -133,6 +138,7 @@ def _indexer_main_kernel(
                 if NEED_DKI:
                     part = tl.dot(tl.trans(dz.to(qi.dtype)), qi, input_precision=PREC_S)  # [BN, DIP]
                     ptrs = DKI + (b64 * NK + seq64 + key.to(tl.int64))[:, None] * DI + offs_di[None, :]
+                    part *= grad_scale
                     tl.atomic_add(ptrs, part, mask=ok[:, None] & (offs_di[None, :] < DI), sem="relaxed")
 
     if WRITE_KL:
@@ -142,6 +148,8 @@ def _indexer_main_kernel(
         tl.store(MASS + row_at, mass, mask=row_ok)
     out_at = (b64 * G + g_slot) * NQ + seq64 + g_rows  # (B, G, Sq) rows of dqi and dw
     out_ok = g_ok & g_row_ok
+    dw *= grad_scale
+    dqi *= grad_scale
     if ACCUMULATE:
         # The correction's rows of no target mass (a = -1) have a zero gradient: their dqi, dw
         # (their own) are set to 0, not cancelled to the rounding of the stored value.

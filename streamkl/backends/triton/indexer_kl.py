@@ -69,7 +69,7 @@ def backward(spec: IndexerKLSpec, inputs: IndexerKLInputs, stats, grad_kl):
     return _indexer_launch.backward(spec, inputs, stats, grad_kl)
 
 
-def forward_with_grads(spec: IndexerKLSpec, inputs: IndexerKLInputs):
+def forward_with_grads(spec: IndexerKLSpec, inputs: IndexerKLInputs, reduction: str):
     from . import _indexer_launch
 
-    return _indexer_launch.forward_with_grads(spec, inputs)
+    return _indexer_launch.forward_with_grads(spec, inputs, reduction)
