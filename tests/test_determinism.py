@@ -23,11 +23,14 @@ import torch
 
 pytest.importorskip("triton")
 
-from streamkl.backends.triton import _launch  # noqa: E402
+import streamkl  # noqa: E402
+from streamkl.backends.triton import _indexer_dki, _launch  # noqa: E402
 from streamkl.testing import make_inputs  # noqa: E402
 
 from ._calls import reference as rb  # noqa: E402
 from ._calls import triton as tb  # noqa: E402
+from .indexer_oracle import make_indexer_inputs, random_topk  # noqa: E402
+from .test_indexer_kl import _given_lse  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 pytestmark = pytest.mark.skipif(
@@ -129,3 +132,147 @@ def test_attn_kl_forced_fused_without_a_fused_launch_runs_quietly(monkeypatch, p
 def test_attn_kl_reference_is_repeatable_under_deterministic_mode():
     with deterministic():
         _same_bits(_attn_backward(rb, (True,) * 4), _attn_backward(rb, (True,) * 4))
+
+
+@pytest.fixture
+def key_major(monkeypatch):
+    """How many times the triton indexer_kl ran its key-major dki pass while the test runs."""
+    calls = []
+    dki_pass = _indexer_dki.dki_pass
+
+    def spy(*args):
+        calls.append(args[1])
+        return dki_pass(*args)
+
+    monkeypatch.setattr(_indexer_dki, "dki_pass", spy)
+    return calls
+
+
+def _indexer_grads(backend, reduction="mean", lse=False, topk=False, cu_seqlens=None, ki_grad=True, **shape):
+    """(dqi, dki, dw) of one small call through the public op (G = 3 padded to 8, Sq < Sk);
+    reduction "none" weighs each row, so the recompute backward runs."""
+    dims = dict(b=1, h=2, hk=1, g=3, nq=10, nk=13, d=16, di=6)
+    dims.update(shape)
+    inputs = make_indexer_inputs(**dims, device=DEVICE, seed=5)
+    q, k, qi, ki, w = inputs
+    call = dict(causal=True, cu_seqlens=cu_seqlens)
+    if topk:
+        call["topk"] = random_topk(dims["b"], dims["nq"], dims["nk"], 7, seed=2).to(q.device)
+    if lse:
+        call["lse"] = _given_lse(inputs, torch.float32, **call)
+    students = [t.clone().requires_grad_(need) for t, need in zip((qi, ki, w), (True, ki_grad, True))]
+    loss = streamkl.indexer_kl(q, k, *students, reduction=reduction, backend=backend, **call)
+    if reduction == "none":
+        loss = (loss * torch.linspace(0.5, 1.5, loss.numel(), device=loss.device).view_as(loss)).sum()
+    loss.backward()
+    return tuple(t.grad for t in students)
+
+
+# (reduction, lse given, packed): the fused step with and without its correction, the recompute
+# backward on packed sequences.
+INDEXER_CASES = [("mean", False, False), ("sum", True, False), ("none", False, True)]
+
+
+@pytest.mark.parametrize(
+    "case",
+    INDEXER_CASES,
+    ids=lambda c: f"{c[0]}-{'lse' if c[1] else 'nolse'}-{'packed' if c[2] else 'batch'}",
+)
+def test_indexer_kl_triton_dki_is_key_major_and_repeatable(case, key_major):
+    """Dense mode: dki from the key-major pass, bitwise the same on two runs, and the atomics'
+    dki to rounding (the other gradients are the main pass's either way)."""
+    reduction, lse, packed = case
+    call = dict(reduction=reduction, lse=lse)
+    if packed:
+        call.update(nq=13, cu_seqlens=torch.tensor([0, 5, 6, 13], dtype=torch.int32, device=DEVICE))
+    atomics = _indexer_grads("triton", **call)
+    assert not key_major
+    with deterministic():
+        first = _indexer_grads("triton", **call)
+        assert len(key_major) == 1
+        second = _indexer_grads("triton", **call)
+    _same_bits(first, second)
+    for got, want in zip(first, atomics):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_indexer_kl_triton_sparse_dki_raises_under_deterministic_mode():
+    with deterministic(), pytest.raises(RuntimeError, match=r"use_deterministic_algorithms.*reference"):
+        _indexer_grads("triton", topk=True)
+
+
+def test_indexer_kl_triton_sparse_dki_warns_under_warn_only(key_major):
+    with deterministic(warn_only=True), pytest.warns(UserWarning, match="use_deterministic_algorithms"):
+        _indexer_grads("triton", topk=True, reduction="none")
+    assert not key_major  # warned, and ran the atomics
+
+
+def test_indexer_kl_triton_sparse_without_dki_runs_quietly(key_major):
+    """Only dki has atomics: a frozen ki leaves nothing to refuse."""
+    with deterministic(), warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        _indexer_grads("triton", topk=True, ki_grad=False)
+    assert not key_major
+
+
+def test_indexer_kl_reference_is_repeatable_under_deterministic_mode():
+    with deterministic():
+        _same_bits(_indexer_grads("reference", topk=True), _indexer_grads("reference", topk=True))
+
+
+GPU_ATTN = dict(b=1, h=32, nq=256, nk=256, d1=128, d2=128, dtype=torch.bfloat16, device="cuda")
+
+
+def _op_grads(backend, seed=0):
+    """(dq2, dk2) of a sum-reduced attn_kl through the public op at a realistic one-wave size
+    (B = 1, H = 32, N = 256, D = 128, bf16, the teacher frozen): where auto takes the fused
+    backward outside deterministic mode."""
+    q1, k1, q2, k2 = make_inputs(**GPU_ATTN, seed=seed)
+    q2, k2 = q2.requires_grad_(), k2.requires_grad_()
+    streamkl.attn_kl(q1, k1, q2, k2, causal=True, reduction="sum", backend=backend).backward()
+    return q2.grad, k2.grad
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+def test_gpu_attn_kl_backward_is_repeatable(backend, plans):
+    if backend == "cuda":
+        q1, k1, q2, k2 = make_inputs(**GPU_ATTN)
+        why = streamkl.available_backends(q1, k1, q2, k2)["cuda"]
+        if why is not None:
+            pytest.skip(f"the cuda backend does not run here: {why}")
+    _op_grads(backend)
+    assert plans[-1].fused  # what deterministic mode overrides
+    with deterministic():
+        first = _op_grads(backend)
+        assert not plans[-1].fused
+        runs = [_op_grads(backend) for _ in range(3)]
+    for again in runs:
+        _same_bits(first, again)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_gpu_indexer_kl_dki_is_repeatable(reduction, key_major):
+    """DeepSeek-V3.2-like shapes scaled down (64 teacher heads on one 576-wide key, G = 16 indexer
+    heads of 128, 2K tokens, bf16, causal): dki bitwise the same over runs, near the atomics'."""
+    shape = dict(b=1, h=64, hk=1, g=16, nq=2048, nk=2048, d=576, di=128)
+    inputs = make_indexer_inputs(**shape, dtype=torch.bfloat16, device="cuda", seed=1)
+    q, k, qi, ki, w = inputs
+
+    def grads():
+        students = [t.clone().requires_grad_() for t in (qi, ki, w)]
+        loss = streamkl.indexer_kl(q, k, *students, reduction=reduction, backend="triton")
+        (loss.float().sum() if reduction == "none" else loss).backward()
+        return tuple(t.grad for t in students)
+
+    atomics = grads()
+    with deterministic():
+        first = grads()
+        assert key_major
+        runs = [grads() for _ in range(3)]
+    for again in runs:
+        _same_bits(first, again)
+    torch.testing.assert_close(
+        first[1].float(), atomics[1].float(), rtol=2e-2, atol=2e-2 * atomics[1].abs().max().item()
+    )
