@@ -6,7 +6,8 @@ tensor cores (wgmma for the 128-row MQA GEMMs) and fit one SM's 227 KiB of share
 
 The constexprs are read off the launcher's plan (`_indexer_launch.plan` with `interpret=False`)
 and the kernel variants each launch uses (statistics pass with and without the teacher's LSE;
-main pass for the forward, the fused step, the backward and the correction). Interpreter kernels
+main pass for the forward, the fused step, the backward and the correction; the key-major dki
+pass of deterministic mode, dense). Interpreter kernels
 cannot be compiled, so one subprocess with TRITON_INTERPRET=0 (`python -m
 tests.test_triton_indexer_sm90 --json FILE`) builds them all.
 """
@@ -32,7 +33,7 @@ from streamkl._spec import IndexerKLSpec  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 SMEM_LIMIT = 227 * 1024
 _PTR = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}
-_STATS = {"LSE", "LSE2", "COEF_A", "COEF_B", "KL", "MASS", "DKI"}  # float32 statistics, dki buffer
+_STATS = {"LSE", "LSE2", "COEF_A", "COEF_B", "GRAD_SCALE", "KL", "MASS", "DKI"}  # float32 statistics, dki
 
 # (name, dtype, H, H_kv, D, G, sparse)
 SHAPES = [
@@ -49,12 +50,13 @@ VARIANTS = [
     ("step", "main", dict(WRITE_KL=True, GRADS=1, ACCUMULATE=False, **_GRADS)),
     ("backward", "main", dict(WRITE_KL=False, GRADS=2, ACCUMULATE=False, **_GRADS)),
     ("correction", "main", dict(WRITE_KL=False, GRADS=2, ACCUMULATE=True, **_GRADS)),
+    ("dki", "dki", {}),  # the key-major dki pass of deterministic mode (dense only)
 ]
 
 
 class Specialization(NamedTuple):
     name: str
-    kernel: str  # "lse" or "main"
+    kernel: str  # "lse", "main" or "dki"
     dtype: torch.dtype
     constexprs: tuple
     num_warps: int
@@ -71,6 +73,8 @@ def specializations() -> list[Specialization]:
         consts = dict(_indexer_launch.plan(spec, dtype, dtype, False).consts)
         warps, stages = consts.pop("num_warps"), consts.pop("num_stages")
         for variant, kernel, flags in VARIANTS:
+            if kernel == "dki" and sparse:
+                continue
             merged = tuple(sorted({**consts, **flags}.items()))
             out.append(Specialization(f"{shape}-{variant}", kernel, dtype, merged, warps, stages))
     _indexer_launch.plan.cache_clear()
@@ -82,10 +86,12 @@ def compile_for_hopper(spec: Specialization):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from streamkl.backends.triton._indexer_dki import _indexer_dki_kernel
     from streamkl.backends.triton._indexer_lse import _indexer_lse_kernel
     from streamkl.backends.triton._indexer_main import _indexer_main_kernel
 
-    kernel = _indexer_lse_kernel if spec.kernel == "lse" else _indexer_main_kernel
+    kernels = dict(lse=_indexer_lse_kernel, main=_indexer_main_kernel, dki=_indexer_dki_kernel)
+    kernel = kernels[spec.kernel]
     fixed = dict(spec.constexprs, sqd=1, skd=1, sid=1, skid=1)
     signature = {}
     for name in kernel.arg_names:
