@@ -18,8 +18,8 @@ import torch
 import triton
 
 from ..._spec import IndexerKLGrads, IndexerKLInputs, IndexerKLSpec, IndexerKLStats, reduced_row_weight
-from ._config import pow2_dim
 from . import _indexer_dki
+from ._config import pow2_dim
 from ._indexer_lse import _indexer_lse_kernel
 from ._indexer_main import _indexer_main_kernel
 from ._launch import LOG2E, PLAN_CACHE_SIZE, _launch
@@ -229,15 +229,15 @@ def forward(spec: IndexerKLSpec, inputs: IndexerKLInputs) -> IndexerKLStats:
     return IndexerKLStats(kl, lse, lse2, mass)
 
 
-def _grad_outputs(spec: IndexerKLSpec, inputs: IndexerKLInputs):
+def _grad_outputs(spec: IndexerKLSpec, inputs: IndexerKLInputs, wide: bool = False):
     """(dqi, dki accumulator, dw) where spec.needs asks: dqi, dw in their inputs' dtypes (each row
-    written once), dki a zeroed float32 buffer (atomics)."""
+    written once) or, `wide`, in float32; dki a zeroed float32 buffer (atomics)."""
     qi, ki, w = inputs.qi, inputs.ki, inputs.w
     need_dqi, need_dki, need_dw = spec.needs
     alloc = torch.zeros if _empty(spec) else torch.empty
-    dqi = alloc(qi.shape, device=qi.device, dtype=qi.dtype) if need_dqi else None
+    dqi = alloc(qi.shape, device=qi.device, dtype=torch.float32 if wide else qi.dtype) if need_dqi else None
     dki = torch.zeros(ki.shape, device=ki.device, dtype=torch.float32) if need_dki else None
-    dw = alloc(w.shape, device=w.device, dtype=w.dtype) if need_dw else None
+    dw = alloc(w.shape, device=w.device, dtype=torch.float32 if wide else w.dtype) if need_dw else None
     return dqi, dki, dw
 
 
@@ -271,11 +271,13 @@ def forward_with_grads(
     key known after pass 1) is exact where T = 1, which holds (to rounding) when this call
     computes lse. With a given lse, a correction pass adds -w_r q on rows of no target mass and
     -w_r (1/T - 1) p where T differs from 1 by more than a quarter of the inputs' rounding; its
-    programs whose rows need nothing exit at once. dqi and dw are written in their inputs'
-    dtypes, each element rounded once (twice on a corrected row)."""
-    dqi, dki, dw = _grad_outputs(spec, inputs)
+    programs whose rows need nothing exit at once. dqi and dw are rounded to their inputs'
+    dtypes once: in the kernel, or where a correction may add to them (a given lse), after it
+    (float32 until then)."""
     if _empty(spec):
-        return _empty_stats(spec, inputs), IndexerKLGrads(dqi, dki, dw)
+        return _empty_stats(spec, inputs), IndexerKLGrads(*_grad_outputs(spec, inputs))
+    wide = inputs.lse is not None and inputs.qi.dtype != torch.float32
+    dqi, dki, dw = _grad_outputs(spec, inputs, wide)
     kl = torch.empty((spec.batch, spec.nq), device=inputs.q.device, dtype=torch.float32)
     mass = torch.empty_like(kl)
     call = _call(spec, inputs, kl)
@@ -297,4 +299,6 @@ def forward_with_grads(
         dki_coefs = (weight + coef_a, weight + coef_b)  # the two passes' dI in one
     if by_key:
         _indexer_dki.dki_pass(call, spec, lse, lse2, dki_coefs, dki)
+    if wide:
+        dqi, dw = (None if d is None else d.to(t.dtype) for d, t in ((dqi, inputs.qi), (dw, inputs.w)))
     return IndexerKLStats(kl, lse, lse2, mass), IndexerKLGrads(dqi, dki, dw)
