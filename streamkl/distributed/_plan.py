@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ._comm import TAG_DK, all_gather, p2p, reduce_scatter, ring
-from ._layout import Runs, SeqIndex, chunks_of, layout_runs, runs_of_runs
+from ._layout import Runs, SeqIndex, layout_runs, runs_of_runs
 
 
 class Context:
@@ -49,10 +49,6 @@ class Context:
         self.offsets = None if offsets is None else tuple(offsets)
         self._index = None
         self._calls: dict[tuple, list[Call]] = {}
-
-    @property
-    def local_chunks(self) -> tuple[int, ...]:
-        return chunks_of(self.layout, self.rank, self.world)
 
     def resolve(self, n_local: int) -> None:
         if self.runs_by_rank is None:
