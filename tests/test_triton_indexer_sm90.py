@@ -33,7 +33,8 @@ from streamkl._spec import IndexerKLSpec  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 SMEM_LIMIT = 227 * 1024
 _PTR = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}
-_STATS = {"LSE", "LSE2", "COEF_A", "COEF_B", "GRAD_SCALE", "KL", "MASS", "DKI"}  # float32 statistics, dki
+_STATS = {"LSE", "LSE2", "COEF_A", "COEF_B", "GRAD_SCALE", "DCOEF_A", "DCOEF_B", "DGRAD_SCALE"}
+_STATS |= {"KL", "MASS", "DKI"}  # float32 statistics, dki
 
 # (name, dtype, H, H_kv, D, G, sparse)
 SHAPES = [
@@ -46,10 +47,10 @@ _GRADS = dict(NEED_DQI=True, NEED_DKI=True, NEED_DW=True)
 VARIANTS = [
     ("stats-teacher", "lse", dict(TEACHER_LSE=True)),
     ("stats-student", "lse", dict(TEACHER_LSE=False)),
-    ("forward", "main", dict(WRITE_KL=True, GRADS=0, ACCUMULATE=False, **dict.fromkeys(_GRADS, False))),
-    ("step", "main", dict(WRITE_KL=True, GRADS=1, ACCUMULATE=False, **_GRADS)),
-    ("backward", "main", dict(WRITE_KL=False, GRADS=2, ACCUMULATE=False, **_GRADS)),
-    ("correction", "main", dict(WRITE_KL=False, GRADS=2, ACCUMULATE=True, **_GRADS)),
+    ("forward", "main", dict(WRITE_KL=True, GRADS=False, REDO=False, **dict.fromkeys(_GRADS, False))),
+    ("step", "main", dict(WRITE_KL=True, GRADS=True, REDO=False, **_GRADS)),
+    ("backward", "main", dict(WRITE_KL=False, GRADS=True, REDO=False, **_GRADS)),
+    ("correction", "main", dict(WRITE_KL=False, GRADS=True, REDO=True, **_GRADS)),
     ("dki", "dki", {}),  # the key-major dki pass of deterministic mode (dense only)
 ]
 

@@ -186,18 +186,21 @@ def _normalized(coef_a: torch.Tensor, coef_b: torch.Tensor):
     return (coef_a / s).contiguous(), (coef_b / s).contiguous(), s
 
 
-def _main_pass(call: _Call, spec, stats, coefs, outputs, write_kl, grads, accumulate):
+def _main_pass(call: _Call, spec, stats, coefs, outputs, write_kl, grads, delta=None):
+    """The main pass; `delta` (the correction's REDO): dki's coefficients, the difference from
+    the first pass's, while dqi and dw are formed anew from `coefs`."""
     lse, lse2, kl, mass = stats
     coef_a, coef_b, scale = _normalized(*coefs) if grads else (kl, kl, kl)
+    dcoefs = (coef_a, coef_b, scale) if delta is None else _normalized(*delta)
     dqi, dki, dw = outputs
     needs = (dqi is not None, dki is not None, dw is not None)
     out = tuple(t if t is not None else kl for t in (dqi, dki, dw))  # placeholders are never written
     need_dqi, need_dki, need_dw = needs
     consts = _variant(
-        call.plan, WRITE_KL=write_kl, GRADS=grads, ACCUMULATE=accumulate, NEED_DQI=need_dqi,
+        call.plan, WRITE_KL=write_kl, GRADS=grads, REDO=delta is not None, NEED_DQI=need_dqi,
         NEED_DKI=need_dki, NEED_DW=need_dw,
     )  # fmt: skip
-    tensors = (*call.lead, lse, lse2, coef_a, coef_b, scale, kl, mass, *out)
+    tensors = (*call.lead, lse, lse2, coef_a, coef_b, scale, *dcoefs, kl, mass, *out)
     args = (*tensors, *call.strides, *call.plan.scalars, 1.0 / spec.heads)
     _launch(_indexer_main_kernel, call.plan.grid, args, consts)
 
@@ -225,19 +228,19 @@ def forward(spec: IndexerKLSpec, inputs: IndexerKLInputs) -> IndexerKLStats:
     mass = torch.empty_like(kl)
     call = _call(spec, inputs, kl)
     lse, lse2 = _stats_pass(spec, inputs, call)
-    _main_pass(call, spec, (lse, lse2, kl, mass), (kl, kl), (None,) * 3, True, False, False)
+    _main_pass(call, spec, (lse, lse2, kl, mass), (kl, kl), (None,) * 3, True, False)
     return IndexerKLStats(kl, lse, lse2, mass)
 
 
-def _grad_outputs(spec: IndexerKLSpec, inputs: IndexerKLInputs, wide: bool = False):
+def _grad_outputs(spec: IndexerKLSpec, inputs: IndexerKLInputs):
     """(dqi, dki accumulator, dw) where spec.needs asks: dqi, dw in their inputs' dtypes (each row
-    written once) or, `wide`, in float32; dki a zeroed float32 buffer (atomics)."""
+    written once), dki a zeroed float32 buffer (atomics)."""
     qi, ki, w = inputs.qi, inputs.ki, inputs.w
     need_dqi, need_dki, need_dw = spec.needs
     alloc = torch.zeros if _empty(spec) else torch.empty
-    dqi = alloc(qi.shape, device=qi.device, dtype=torch.float32 if wide else qi.dtype) if need_dqi else None
+    dqi = alloc(qi.shape, device=qi.device, dtype=qi.dtype) if need_dqi else None
     dki = torch.zeros(ki.shape, device=ki.device, dtype=torch.float32) if need_dki else None
-    dw = alloc(w.shape, device=w.device, dtype=torch.float32 if wide else w.dtype) if need_dw else None
+    dw = alloc(w.shape, device=w.device, dtype=w.dtype) if need_dw else None
     return dqi, dki, dw
 
 
@@ -257,7 +260,7 @@ def backward(
     by_key = _indexer_dki.by_key(spec)  # deterministic mode: dki from the key-major pass
     if not by_key or dqi is not None or dw is not None:
         main = (dqi, None if by_key else dki, dw)
-        _main_pass(call, spec, (lse, lse2, kl, mass), (coef_a, coef_b), main, False, True, False)
+        _main_pass(call, spec, (lse, lse2, kl, mass), (coef_a, coef_b), main, False, True)
     if by_key:
         _indexer_dki.dki_pass(call, spec, lse, lse2, (coef_a, coef_b), dki)
     return IndexerKLGrads(dqi, None if dki is None else dki.to(inputs.ki.dtype), dw)
@@ -269,15 +272,14 @@ def forward_with_grads(
     """The statistics and the reduced loss's gradients (streamkl/_backend.py), the teacher
     streamed once: dI = w_r (q - p) with w_r every row's weight in the loss (the rows that see a
     key known after pass 1) is exact where T = 1, which holds (to rounding) when this call
-    computes lse. With a given lse, a correction pass adds -w_r q on rows of no target mass and
-    -w_r (1/T - 1) p where T differs from 1 by more than a quarter of the inputs' rounding; its
-    programs whose rows need nothing exit at once. dqi and dw are rounded to their inputs'
-    dtypes once: in the kernel, or where a correction may add to them (a given lse), after it
-    (float32 until then)."""
+    computes lse. With a given lse, a correction pass runs on the rows where T differs from 1 by
+    more than a quarter of the inputs' rounding, or that have no target mass: it forms their dqi
+    and dw anew with dI = w_r (q [T > 0] - p / T) and adds to dki the difference, -w_r q or
+    -w_r (1/T - 1) p; its programs whose rows need nothing exit at once. dqi and dw are written
+    once per pass in their inputs' dtypes, so each element is rounded once."""
+    dqi, dki, dw = _grad_outputs(spec, inputs)
     if _empty(spec):
-        return _empty_stats(spec, inputs), IndexerKLGrads(*_grad_outputs(spec, inputs))
-    wide = inputs.lse is not None and inputs.qi.dtype != torch.float32
-    dqi, dki, dw = _grad_outputs(spec, inputs, wide)
+        return _empty_stats(spec, inputs), IndexerKLGrads(dqi, dki, dw)
     kl = torch.empty((spec.batch, spec.nq), device=inputs.q.device, dtype=torch.float32)
     mass = torch.empty_like(kl)
     call = _call(spec, inputs, kl)
@@ -286,7 +288,7 @@ def forward_with_grads(
     lse, lse2 = _stats_pass(spec, inputs, call)
     stats = (lse, lse2, kl, mass)
     weight = reduced_row_weight(lse2, reduction).expand(kl.shape)
-    _main_pass(call, spec, stats, (weight, weight), main, True, True, False)
+    _main_pass(call, spec, stats, (weight, weight), main, True, True)
     dki_coefs = (weight, weight)
     if inputs.lse is not None and any(spec.needs):
         tolerance = torch.finfo(inputs.qi.dtype).eps / 4
@@ -294,11 +296,9 @@ def forward_with_grads(
         excess = 1.0 / torch.where(has_mass, mass, 1.0) - 1.0
         coef_a = torch.where(~has_mass & (lse2 > float("-inf")), -weight, 0.0)
         coef_b = torch.where(has_mass & (excess.abs() > tolerance), excess * weight, 0.0)
+        dki_coefs = (weight + coef_a, weight + coef_b)  # the rows' whole dI
         if any(t is not None for t in main):
-            _main_pass(call, spec, stats, (coef_a, coef_b), main, False, True, True)
-        dki_coefs = (weight + coef_a, weight + coef_b)  # the two passes' dI in one
+            _main_pass(call, spec, stats, dki_coefs, main, False, True, delta=(coef_a, coef_b))
     if by_key:
         _indexer_dki.dki_pass(call, spec, lse, lse2, dki_coefs, dki)
-    if wide:
-        dqi, dw = (None if d is None else d.to(t.dtype) for d, t in ((dqi, inputs.qi), (dw, inputs.w)))
     return IndexerKLStats(kl, lse, lse2, mass), IndexerKLGrads(dqi, dki, dw)

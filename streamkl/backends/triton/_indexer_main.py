@@ -18,8 +18,10 @@ the index scores I_j and log q_j = I_j - LSE2. Then, as asked:
              dz_g = dI w_g [z_g > 0] and dw_g += sum_j dI_j relu(z_g), dqi_g += dz_g @ ki (both
              per row, in registers), dki += dz^T @ qi (fp32 atomics: a key's rows live in many
              programs, and a key-major pass would recompute the teacher, the cost this pass exists
-             to pay once). ACCUMULATE adds dqi, dw to what the outputs hold (the correction;
-             rows of no target mass there are set to 0).
+             to pay once). REDO (the fused step's correction, on rows whose T != 1): dqi and
+             dw are formed again with the rows' whole coefficients and overwrite the stored
+             ones (each rounded once), while dki, which mixes rows, receives only the
+             difference from the first pass's, from DCOEF_A, DCOEF_B and DGRAD_SCALE.
 """
 
 from __future__ import annotations
@@ -33,13 +35,14 @@ from ._tiles import key_range, sequence
 
 @triton.jit(do_not_specialize=["H", "NQ", "NK", "G", "GROUP", "CPG", "N_CHUNKS", "TOPK_W"])
 def _indexer_main_kernel(
-    Q, K, QI, KI, W, TOPK, CU, LSE, LSE2, COEF_A, COEF_B, GRAD_SCALE, KL, MASS, DQI, DKI, DW,
+    Q, K, QI, KI, W, TOPK, CU, LSE, LSE2, COEF_A, COEF_B, GRAD_SCALE, DCOEF_A, DCOEF_B, DGRAD_SCALE,
+    KL, MASS, DQI, DKI, DW,
     sqb, sqh, sqn, sqd, skb, skh, skn, skd, sib, sig, sin, sid, skib, skin, skid, swb, swg, swn,
     H, NQ, NK, G, GROUP, CPG, N_CHUNKS, TOPK_W, c_log2, inv_h,
     D: tl.constexpr, DI: tl.constexpr, DIP: tl.constexpr, BD: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, HB: tl.constexpr, GP: tl.constexpr,
     CAUSAL: tl.constexpr, VARLEN: tl.constexpr, SPARSE: tl.constexpr,
-    WRITE_KL: tl.constexpr, GRADS: tl.constexpr, ACCUMULATE: tl.constexpr,
+    WRITE_KL: tl.constexpr, GRADS: tl.constexpr, REDO: tl.constexpr,
     NEED_DQI: tl.constexpr, NEED_DKI: tl.constexpr, NEED_DW: tl.constexpr,
     PREC_T: tl.constexpr, PREC_S: tl.constexpr,
 ):  # fmt: skip
@@ -51,7 +54,8 @@ def _indexer_main_kernel(
     # G heads x BM rows as one [GP * BM, DIP] operand held for the whole walk against the
     # [BN, DIP] ki tile. Registers also hold dqi [GP * BM, DIP] and dw [GP * BM] (fp32). All
     # warps share every step (no warp roles). Reads q, k, qi, ki, w, LSE (B, H, Sq), LSE2
-    # (B, Sq), topk (SPARSE), cu_seqlens (VARLEN), COEF_A/COEF_B/GRAD_SCALE (GRADS); writes KL and
+    # (B, Sq), topk (SPARSE), cu_seqlens (VARLEN), COEF_A/COEF_B/GRAD_SCALE (GRADS), DCOEF_A/
+    # DCOEF_B/DGRAD_SCALE (REDO); writes KL and
     # MASS (B, Sq) fp32 (WRITE_KL), its rows of dqi (B, G, Sq, Di) and dw (B, G, Sq) in their
     # dtypes, and adds into dki (B, Sk, Di) fp32 with atomics.
     z = tl.program_id(1)
@@ -68,10 +72,18 @@ def _indexer_main_kernel(
         coef_a = tl.load(COEF_A + row_at, mask=row_ok, other=0.0)
         coef_b = tl.load(COEF_B + row_at, mask=row_ok, other=0.0)
         grad_scale = tl.load(GRAD_SCALE)
-        idle = tl.max(tl.abs(coef_a) + tl.abs(coef_b), 0) == 0.0  # no row adds anything
-        if ACCUMULATE:
-            if idle:
-                return  # the correction: nothing to add to these rows
+        if REDO:
+            dcoef_a = tl.load(DCOEF_A + row_at, mask=row_ok, other=0.0)
+            dcoef_b = tl.load(DCOEF_B + row_at, mask=row_ok, other=0.0)
+            dgrad_scale = tl.load(DGRAD_SCALE)
+            if tl.max(tl.abs(dcoef_a) + tl.abs(dcoef_b), 0) == 0.0:
+                return  # the correction: these rows' gradients are right already
+            idle = r0 < 0  # a row of no target mass still adds its -q to dki
+        else:
+            dcoef_a = coef_a
+            dcoef_b = coef_b
+            dgrad_scale = grad_scale
+            idle = tl.max(tl.abs(coef_a) + tl.abs(coef_b), 0) == 0.0  # no row adds anything
     else:
         coef_a = tl.zeros([BM], tl.float32)
         coef_b = tl.zeros([BM], tl.float32)
@@ -131,15 +143,20 @@ def _indexer_main_kernel(
             d_scores = stack(coef_a[:, None] * q - coef_b[:, None] * p, GP, BM, BN)
             if NEED_DW:
                 dw += tl.sum(d_scores * tl.maximum(zs, 0.0), 1)
-            if NEED_DQI or NEED_DKI:
+            if NEED_DQI or (NEED_DKI and not REDO):
                 dz = tl.where(zs > 0.0, d_scores * w_s[:, None], 0.0)
-                if NEED_DQI:
-                    dqi += tl.dot(dz.to(ki.dtype), ki, input_precision=PREC_S)
-                if NEED_DKI:
-                    part = tl.dot(tl.trans(dz.to(qi.dtype)), qi, input_precision=PREC_S)  # [BN, DIP]
-                    ptrs = DKI + (b64 * NK + seq64 + key.to(tl.int64))[:, None] * DI + offs_di[None, :]
-                    part *= grad_scale
-                    tl.atomic_add(ptrs, part, mask=ok[:, None] & (offs_di[None, :] < DI), sem="relaxed")
+            if NEED_DQI:
+                dqi += tl.dot(dz.to(ki.dtype), ki, input_precision=PREC_S)
+            if NEED_DKI:
+                if REDO:
+                    d_delta = stack(dcoef_a[:, None] * q - dcoef_b[:, None] * p, GP, BM, BN)
+                    dz_k = tl.where(zs > 0.0, d_delta * w_s[:, None], 0.0)
+                else:
+                    dz_k = dz
+                part = tl.dot(tl.trans(dz_k.to(qi.dtype)), qi, input_precision=PREC_S)  # [BN, DIP]
+                part *= dgrad_scale
+                ptrs = DKI + (b64 * NK + seq64 + key.to(tl.int64))[:, None] * DI + offs_di[None, :]
+                tl.atomic_add(ptrs, part, mask=ok[:, None] & (offs_di[None, :] < DI), sem="relaxed")
 
     if WRITE_KL:
         seen = mass > 0.0
@@ -148,19 +165,9 @@ def _indexer_main_kernel(
         tl.store(MASS + row_at, mass, mask=row_ok)
     out_at = (b64 * G + g_slot) * NQ + seq64 + g_rows  # (B, G, Sq) rows of dqi and dw
     out_ok = g_ok & g_row_ok
-    dw *= grad_scale
-    dqi *= grad_scale
-    if ACCUMULATE:
-        # The correction's rows of no target mass (a = -1) have a zero gradient: their dqi, dw
-        # (their own) are set to 0, not cancelled to the rounding of the stored value.
-        keep = tl.load(COEF_A + b64 * NQ + seq64 + g_rows, mask=g_row_ok, other=0.0) == 0.0
     if NEED_DW:
-        if ACCUMULATE:
-            dw = tl.where(keep, dw + tl.load(DW + out_at, mask=out_ok, other=0.0).to(tl.float32), 0.0)
-        tl.store(DW + out_at, dw.to(DW.dtype.element_ty), mask=out_ok)
+        tl.store(DW + out_at, (dw * grad_scale).to(DW.dtype.element_ty), mask=out_ok)
     if NEED_DQI:
         ptrs = DQI + out_at[:, None] * DI + offs_di[None, :]
         mask = out_ok[:, None] & (offs_di[None, :] < DI)
-        if ACCUMULATE:
-            dqi = tl.where(keep[:, None], dqi + tl.load(ptrs, mask=mask, other=0.0).to(tl.float32), 0.0)
-        tl.store(ptrs, dqi.to(DQI.dtype.element_ty), mask=mask)
+        tl.store(ptrs, (dqi * grad_scale).to(DQI.dtype.element_ty), mask=mask)
