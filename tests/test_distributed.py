@@ -427,7 +427,8 @@ def case_qkv_formats(rank, world, *, comm):
 
 def case_compiled_packed(rank, world):
     """torch.compile traces a call with positions and cu_seqlens; its backward (the compiled
-    graph's op) exchanges the runs again and matches eager."""
+    graph's op) exchanges the runs again and matches eager. A max_seqlen shorter than the
+    longest document raises inside the op, on every rank, the same ValueError as eager."""
     torch._dynamo.reset()
     cu = _documents(world)
     inputs, _ = _packed_problem(int(cu[-1]), seed=60)
@@ -435,7 +436,7 @@ def case_compiled_packed(rank, world):
     positions = pairs[0][1]
     local = [p[0].detach().requires_grad_() for p in pairs]
 
-    def loss(q1, k1, q2, k2):
+    def loss(q1, k1, q2, k2, max_seqlen=None):
         return cp.attn_kl(
             q1,
             k1,
@@ -443,6 +444,7 @@ def case_compiled_packed(rank, world):
             k2,
             positions=positions,
             cu_seqlens=cu,
+            max_seqlen=max_seqlen,
             causal=True,
             reduction="mean",
             backend="reference",
@@ -458,6 +460,12 @@ def case_compiled_packed(rank, world):
     _assert_close(got, want, RTOL_FLOAT64, "compiled loss")
     for g, t in zip(got_grads, local):
         _assert_close(g, t.grad, RTOL_FLOAT64, "compiled grad")
+    fragment = "max_seqlen must be an int of at least the longest document"
+    with _raises(ValueError, fragment) as eager:
+        loss(*local, max_seqlen=2)
+    with _raises(ValueError, fragment) as compiled:
+        torch.compile(loss, fullgraph=True, backend="aot_eager")(*local, max_seqlen=2)
+    assert str(compiled.raised) == str(eager.raised), (str(compiled.raised), str(eager.raised))
 
 
 def _good_shards(world, n_local=6):
@@ -609,6 +617,7 @@ class _raises:
             f"expected {self.kind.__name__}, got {exc_type.__name__}: {exc}"
         )
         assert self.fragment in str(exc), f"{self.fragment!r} not in {str(exc)!r}"
+        self.raised = exc
         return True
 
 

@@ -235,7 +235,8 @@ def case_one_validation_per_call(rank, world):
 def case_compiled(rank, world, *, compiler):
     """torch.compile(fullgraph=True) traces a loss that calls indexer_kl with positions and packed
     documents; compiled and eager agree. The cross-rank checks run inside the op at run time:
-    shards that do not add up to cu_seqlens raise on every rank."""
+    shards that do not add up to cu_seqlens raise on every rank, and so does a max_seqlen shorter
+    than the longest document, as in eager."""
     torch._dynamo.reset()
     n = 6 * world
     cu = _documents(n)
@@ -244,9 +245,9 @@ def case_compiled(rank, world, *, compiler):
     q, k, *students = (t.index_select(2, positions) for t in inputs)
     students = [t.requires_grad_() for t in students]
 
-    def loss(q, k, qi, ki, w, lse, topk, positions):
+    def loss(q, k, qi, ki, w, lse, topk, positions, max_seqlen=None):
         kl = cp.indexer_kl(q, k, qi * 1.5, ki, w, lse=lse, topk=topk, scale=0.4, positions=positions,
-                           cu_seqlens=cu, backend="reference")  # fmt: skip
+                           cu_seqlens=cu, max_seqlen=max_seqlen, backend="reference")  # fmt: skip
         return kl * 2.0
 
     lse, topk = call["lse"].index_select(2, positions), call["topk"].index_select(1, positions)
@@ -263,6 +264,8 @@ def case_compiled(rank, world, *, compiler):
     uneven = [t.detach()[:, :, :length] for t in tensors[:6]] + [None, positions[:length]]
     with _raises(ValueError, f"cu_seqlens ends at {n}, but the ranks' shards hold"):
         compiled(*uneven)
+    with _raises(ValueError, "max_seqlen must be an int of at least the longest document"):
+        compiled(*tensors, max_seqlen=1)
     _assert_close(got, want, "compiled loss")
     for g, t in zip(got_grads, students):
         _assert_close(g, t.grad, "compiled grad")

@@ -151,6 +151,7 @@ def cp_attn_kl_fwd(
     k2: Tensor,
     positions: Tensor | None,
     cu_seqlens: Tensor | None,
+    max_seqlen: int | None,
     group_name: str,
     layout: str | None,
     comm: str,
@@ -166,8 +167,9 @@ def cp_attn_kl_fwd(
     ran at trace time, so the cross-rank checks run here, on every call."""
     group = group_by_name(group_name)
     options = _validate.Options(
-        layout, comm, heads_per_step, reduction, backend, tuple(requires_grad), positions, cu_seqlens
-    )
+        layout, comm, heads_per_step, reduction, backend, tuple(requires_grad), positions, cu_seqlens,
+        max_seqlen,
+    )  # fmt: skip
     stored = dict(q1=q1, k1=k1, q2=q2, k2=k2)
     (checked, _), ctx = check(group, stored, "bhsd", causal, scale1, scale2, options, run=True)
     return tuple(run_forward(checked, ctx, AttnKLInputs(q1, k1, q2, k2)))
@@ -224,7 +226,7 @@ def _(grad_kl, q1, k1, q2, k2, kl, lse1, lse2, *options):
 
 
 def _setup_context(ctx, inputs, output):
-    q1, k1, q2, k2, positions, cu_seqlens, *options = inputs
+    q1, k1, q2, k2, positions, cu_seqlens, _, *options = inputs
     kl, lse1, lse2 = output
     ctx.save_for_backward(q1, k1, q2, k2, kl, lse1, lse2)
     ctx.index_tensors = (positions, cu_seqlens)
@@ -236,7 +238,7 @@ def _op_backward(ctx, grad_kl, grad_lse1, grad_lse2):
     q1, k1, q2, k2, kl, lse1, lse2 = ctx.saved_tensors
     needs = list(ctx.needs_input_grad[:4])
     grads = cp_attn_kl_bwd(grad_kl, q1, k1, q2, k2, kl, lse1, lse2, *ctx.index_tensors, *ctx.options, needs)
-    return (*(g if need else None for g, need in zip(grads, needs)),) + (None,) * 12
+    return (*(g if need else None for g, need in zip(grads, needs)),) + (None,) * 13
 
 
 cp_attn_kl_fwd.register_autograd(_op_backward, setup_context=_setup_context)
@@ -382,8 +384,8 @@ def attn_kl(
         (checked, views), _ = check(*call, run=False)
         spec = checked.spec
         kl, _, _ = cp_attn_kl_fwd(
-            *views, positions, cu_seqlens, group.group_name, layout, comm, causal, spec.scale1,
-            spec.scale2, checked.heads_per_step, checked.backend, list(requires_grad), reduction,
+            *views, positions, cu_seqlens, max_seqlen, group.group_name, layout, comm, causal,
+            spec.scale1, spec.scale2, checked.heads_per_step, checked.backend, list(requires_grad), reduction,
         )  # fmt: skip
     else:
         (checked, views), cp = check(*call, run=True)
