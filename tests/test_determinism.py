@@ -3,8 +3,8 @@
 attn_kl, triton (the cuda backend's backward too): under deterministic mode the backward runs
 the separate strategy, whatever STREAMKL_TRITON_BWD=auto would pick, and a forced `fused` (dq by
 float32 atomics) raises, or warns and runs under warn_only. indexer_kl, triton: dki comes from
-the key-major pass (no atomics) in dense mode; sparse mode with dki needed raises, or warns under
-warn_only. Each check is two runs compared bitwise, plus which path ran, read off the launcher
+_indexer_dki's pass (no atomics): key-major in dense mode, row shares added by index_add_ in
+sparse mode. Each check is two runs compared bitwise, plus which path ran, read off the launcher
 (the plan it used, or the pass it called), never off timing.
 
 Without a GPU the kernels run under the Triton interpreter (tests/conftest.py) on tiny float32
@@ -168,21 +168,31 @@ def _indexer_grads(backend, reduction="mean", lse=False, topk=False, cu_seqlens=
     return tuple(t.grad for t in students)
 
 
-# (reduction, lse given, packed): the fused step with and without its correction, the recompute
-# backward on packed sequences.
-INDEXER_CASES = [("mean", False, False), ("sum", True, False), ("none", False, True)]
+# (reduction, lse given, packed, sparse): the fused step with and without its correction, the
+# recompute backward on packed sequences; sparse mode's row chunks in the fused step and packed.
+INDEXER_CASES = [
+    ("mean", False, False, False),
+    ("sum", True, False, False),
+    ("none", False, True, False),
+    ("mean", True, False, True),
+    ("none", False, True, True),
+]
 
 
-@pytest.mark.parametrize(
-    "case",
-    INDEXER_CASES,
-    ids=lambda c: f"{c[0]}-{'lse' if c[1] else 'nolse'}-{'packed' if c[2] else 'batch'}",
-)
-def test_indexer_kl_triton_dki_is_key_major_and_repeatable(case, key_major):
-    """Dense mode: dki from the key-major pass, bitwise the same on two runs, and the atomics'
-    dki to rounding (the other gradients are the main pass's either way)."""
-    reduction, lse, packed = case
-    call = dict(reduction=reduction, lse=lse)
+def _indexer_id(case):
+    reduction, lse, packed, sparse = case
+    names = ("lse" if lse else "nolse", "packed" if packed else "batch", "sparse" if sparse else "dense")
+    return "-".join((reduction, *names))
+
+
+@pytest.mark.parametrize("case", INDEXER_CASES, ids=_indexer_id)
+def test_indexer_kl_triton_dki_is_deterministic_and_repeatable(case, key_major, monkeypatch):
+    """dki from _indexer_dki's pass (dense: key-major; sparse: rows in chunks of 3 here, so
+    chunks end mid-batch and mid-sequence, added by index_add_), bitwise the same on two runs,
+    and the atomics' dki to rounding (the other gradients are the main pass's either way)."""
+    reduction, lse, packed, sparse = case
+    monkeypatch.setattr(_indexer_dki, "PART_BYTES", 3 * 7 * 6 * 4)  # 3 rows of 7 top-k entries, Di = 6
+    call = dict(reduction=reduction, lse=lse, topk=sparse)
     if packed:
         call.update(nq=13, cu_seqlens=torch.tensor([0, 5, 6, 13], dtype=torch.int32, device=DEVICE))
     atomics = _indexer_grads("triton", **call)
@@ -196,21 +206,9 @@ def test_indexer_kl_triton_dki_is_key_major_and_repeatable(case, key_major):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
-def test_indexer_kl_triton_sparse_dki_raises_under_deterministic_mode():
-    with deterministic(), pytest.raises(RuntimeError, match=r"use_deterministic_algorithms.*reference"):
-        _indexer_grads("triton", topk=True)
-
-
-def test_indexer_kl_triton_sparse_dki_warns_under_warn_only(key_major):
-    with deterministic(warn_only=True), pytest.warns(UserWarning, match="use_deterministic_algorithms"):
-        _indexer_grads("triton", topk=True, reduction="none")
-    assert not key_major  # warned, and ran the atomics
-
-
-def test_indexer_kl_triton_sparse_without_dki_runs_quietly(key_major):
-    """Only dki has atomics: a frozen ki leaves nothing to refuse."""
-    with deterministic(), warnings.catch_warnings():
-        warnings.simplefilter("error", UserWarning)
+def test_indexer_kl_triton_without_dki_runs_the_main_pass_alone(key_major):
+    """Only dki has atomics: with a frozen ki deterministic mode changes nothing."""
+    with deterministic():
         _indexer_grads("triton", topk=True, ki_grad=False)
     assert not key_major
 
@@ -252,17 +250,21 @@ def test_gpu_attn_kl_backward_is_repeatable(backend, plans):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
 @pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_gpu_indexer_kl_dki_is_repeatable(reduction, key_major):
+def test_gpu_indexer_kl_dki_is_repeatable(reduction, sparse, key_major, monkeypatch):
     """DeepSeek-V3.2-like shapes scaled down (64 teacher heads on one 576-wide key, G = 16 indexer
-    heads of 128, 2K tokens, bf16, causal): dki bitwise the same over runs, near the atomics'."""
+    heads of 128, 2K tokens, bf16, causal; sparse: top-512, in chunks of 300 rows): dki bitwise
+    the same over runs, near the atomics'."""
+    monkeypatch.setattr(_indexer_dki, "PART_BYTES", 300 * 512 * 128 * 4)
     shape = dict(b=1, h=64, hk=1, g=16, nq=2048, nk=2048, d=576, di=128)
     inputs = make_indexer_inputs(**shape, dtype=torch.bfloat16, device="cuda", seed=1)
     q, k, qi, ki, w = inputs
+    topk = random_topk(1, 2048, 2048, 512, seed=3, pad=0.0).cuda() if sparse else None
 
     def grads():
         students = [t.clone().requires_grad_() for t in (qi, ki, w)]
-        loss = streamkl.indexer_kl(q, k, *students, reduction=reduction, backend="triton")
+        loss = streamkl.indexer_kl(q, k, *students, topk=topk, reduction=reduction, backend="triton")
         (loss.float().sum() if reduction == "none" else loss).backward()
         return tuple(t.grad for t in students)
 

@@ -6,8 +6,8 @@ tensor cores (wgmma for the 128-row MQA GEMMs) and fit one SM's 227 KiB of share
 
 The constexprs are read off the launcher's plan (`_indexer_launch.plan` with `interpret=False`)
 and the kernel variants each launch uses (statistics pass with and without the teacher's LSE;
-main pass for the forward, the fused step, the backward and the correction; the key-major dki
-pass of deterministic mode, dense). Interpreter kernels
+main pass for the forward, the fused step, the backward and the correction; deterministic
+mode's dki passes, key-major in dense mode and row shares in sparse mode). Interpreter kernels
 cannot be compiled, so one subprocess with TRITON_INTERPRET=0 (`python -m
 tests.test_triton_indexer_sm90 --json FILE`) builds them all.
 """
@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SMEM_LIMIT = 227 * 1024
 _PTR = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}
 _STATS = {"LSE", "LSE2", "COEF_A", "COEF_B", "GRAD_SCALE", "DCOEF_A", "DCOEF_B", "DGRAD_SCALE"}
-_STATS |= {"KL", "MASS", "DKI"}  # float32 statistics, dki
+_STATS |= {"KL", "MASS", "DKI", "PART"}  # float32 statistics, dki, sparse dki shares
 
 # (name, dtype, H, H_kv, D, G, sparse)
 SHAPES = [
@@ -51,13 +51,14 @@ VARIANTS = [
     ("step", "main", dict(WRITE_KL=True, GRADS=True, REDO=False, **_GRADS)),
     ("backward", "main", dict(WRITE_KL=False, GRADS=True, REDO=False, **_GRADS)),
     ("correction", "main", dict(WRITE_KL=False, GRADS=True, REDO=True, **_GRADS)),
-    ("dki", "dki", {}),  # the key-major dki pass of deterministic mode (dense only)
+    ("dki", "dki", {}),  # deterministic mode's dki: key-major in dense mode,
+    ("dki-rows", "dki_rows", {}),  # row shares in sparse mode
 ]
 
 
 class Specialization(NamedTuple):
     name: str
-    kernel: str  # "lse", "main" or "dki"
+    kernel: str  # "lse", "main", "dki" or "dki_rows"
     dtype: torch.dtype
     constexprs: tuple
     num_warps: int
@@ -74,7 +75,7 @@ def specializations() -> list[Specialization]:
         consts = dict(_indexer_launch.plan(spec, dtype, dtype, False).consts)
         warps, stages = consts.pop("num_warps"), consts.pop("num_stages")
         for variant, kernel, flags in VARIANTS:
-            if kernel == "dki" and sparse:
+            if (kernel == "dki" and sparse) or (kernel == "dki_rows" and not sparse):
                 continue
             merged = tuple(sorted({**consts, **flags}.items()))
             out.append(Specialization(f"{shape}-{variant}", kernel, dtype, merged, warps, stages))
@@ -87,11 +88,16 @@ def compile_for_hopper(spec: Specialization):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from streamkl.backends.triton._indexer_dki import _indexer_dki_kernel
+    from streamkl.backends.triton._indexer_dki import _indexer_dki_kernel, _indexer_dki_rows_kernel
     from streamkl.backends.triton._indexer_lse import _indexer_lse_kernel
     from streamkl.backends.triton._indexer_main import _indexer_main_kernel
 
-    kernels = dict(lse=_indexer_lse_kernel, main=_indexer_main_kernel, dki=_indexer_dki_kernel)
+    kernels = dict(
+        lse=_indexer_lse_kernel,
+        main=_indexer_main_kernel,
+        dki=_indexer_dki_kernel,
+        dki_rows=_indexer_dki_rows_kernel,
+    )
     kernel = kernels[spec.kernel]
     fixed = dict(spec.constexprs, sqd=1, skd=1, sid=1, skid=1)
     signature = {}
@@ -100,7 +106,7 @@ def compile_for_hopper(spec: Specialization):
             signature[name] = "constexpr"
         elif name in ("Q", "K", "QI", "KI", "W", "DQI", "DW"):
             signature[name] = _PTR[spec.dtype]
-        elif name in ("TOPK", "CU"):
+        elif name in ("TOPK", "CU", "SEQ_OF"):
             signature[name] = "*i32"
         elif name in _STATS:
             signature[name] = "*fp32"
