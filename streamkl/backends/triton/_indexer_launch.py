@@ -257,7 +257,7 @@ def backward(
     coef_a = torch.where(has_mass, g, 0.0)
     coef_b = torch.where(has_mass, g / torch.where(has_mass, mass, 1.0), 0.0)
     call = _call(spec, inputs, kl)
-    by_key = _indexer_dki.by_key(spec)  # deterministic mode: dki from the key-major pass
+    by_key = _indexer_dki.by_key(spec)  # deterministic mode: dki from _indexer_dki, no atomics
     if not by_key or dqi is not None or dw is not None:
         main = (dqi, None if by_key else dki, dw)
         _main_pass(call, spec, (lse, lse2, kl, mass), (coef_a, coef_b), main, False, True)
@@ -283,7 +283,7 @@ def forward_with_grads(
     kl = torch.empty((spec.batch, spec.nq), device=inputs.q.device, dtype=torch.float32)
     mass = torch.empty_like(kl)
     call = _call(spec, inputs, kl)
-    by_key = _indexer_dki.by_key(spec)  # deterministic mode: dki from the key-major pass
+    by_key = _indexer_dki.by_key(spec)  # deterministic mode: dki from _indexer_dki, no atomics
     main = (dqi, None if by_key else dki, dw)
     lse, lse2 = _stats_pass(spec, inputs, call)
     stats = (lse, lse2, kl, mass)
