@@ -32,7 +32,6 @@ import math
 from typing import NamedTuple
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from .. import _checks, _dispatch, _env
@@ -41,7 +40,7 @@ from ..ops._common import on_device, once_differentiable, refuse_unsupported_aut
 from ..ops.indexer_kl import _one_head, _out_dtype
 from . import _plan, _validate
 from ._comm import group_by_name, resolve_group
-from ._ops import _traced, cp_sum, from_bhsd, in_bhsd, refuse_dtensors
+from ._ops import _traced, from_bhsd, in_bhsd, refuse_dtensors, sum_over_ranks
 from ._plan import Call, Context, HeadStep
 
 OP = "indexer_kl"
@@ -446,10 +445,7 @@ def _reduce(kl: Tensor, lse2: Tensor, reduction: str, group, traced: bool) -> Te
     seen = torch.isneginf(lse2).logical_not_().sum()
     # float64 on the wire: the count stays exact past 2^24 rows
     both = torch.stack([local_sum.detach().double(), seen.double()])
-    if traced:  # the collective inside an op the compiler treats as opaque
-        both = cp_sum(both, group.group_name)
-    elif dist.get_world_size(group) > 1:  # eager: no dispatcher, as the rest of the eager path
-        dist.all_reduce(both, group=group)
+    both = sum_over_ranks(both, group, traced)
     total = both[0].to(kl.dtype) + (local_sum - local_sum.detach())
     if reduction == "sum":
         return total

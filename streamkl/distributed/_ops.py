@@ -6,7 +6,7 @@ torch.library registration.
                                   for the whole call, backend.forward(block spec, block inputs)
     streamkl::cp_attn_kl_fwd      -> (kl, lse1, lse2) of the local rows over the whole sequence
     streamkl::cp_attn_kl_bwd      -> (dq1, dk1, dq2, dk2) of the local shards
-    streamkl::cp_sum              the all-reduce of a reduction
+    streamkl::cp_sum              the all-reduce of a traced reduction (eager: sum_over_ranks)
 
 A call is validated once (its spec built by streamkl._checks.attn_kl_spec, then the
 context-parallel checks and the backend selection, agreed across ranks) and every block reuses
@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from .. import _checks, _dispatch
@@ -259,6 +260,18 @@ def _(x, group_name):
     return torch.empty_like(x)
 
 
+def sum_over_ranks(x: Tensor, group, traced: bool) -> Tensor:
+    """The sum of `x` over the ranks of the group, the same on every rank. A traced call
+    all-reduces inside cp_sum, an op the compiler treats as opaque; an eager one directly, without
+    the dispatcher, as the rest of the eager path (a custom op's first eager call imports
+    torch._dynamo: about 3 s a process). Eager, `x` is summed in place."""
+    if traced:
+        return cp_sum(x, group.group_name)
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(x, group=group)
+    return x
+
+
 # --- the eager path ---------------------------------------------------------------------------
 
 
@@ -379,7 +392,8 @@ def attn_kl(
         layout, comm, heads_per_step, reduction, backend, requires_grad, positions, cu_seqlens, max_seqlen
     )
     call = (group, stored, qkv_format, causal, scale1, scale2, options)
-    if _traced(q1, k1, q2, k2):
+    traced = _traced(q1, k1, q2, k2)
+    if traced:
         # checks that need no communication run at trace time; the cross-rank ones inside the op
         (checked, views), _ = check(*call, run=False)
         spec = checked.spec
@@ -400,7 +414,7 @@ def attn_kl(
     # gradient reaches this rank's rows only, since every rank's backward starts from the same
     # global loss (docs/distributed.md, Reductions)
     local = torch.stack([local_sum.detach().double(), local_sum.new_tensor(kl.numel(), dtype=torch.float64)])
-    summed = cp_sum(local, group.group_name)
+    summed = sum_over_ranks(local, group, traced)
     total = summed[0].to(kl.dtype) + (local_sum - local_sum.detach())
     if reduction == "sum":
         return total
