@@ -66,6 +66,8 @@ def _rows_pass(call, spec, lse, lse2, coefs, dki, consts) -> None:
     assert consts["BM"] == 1, "sparse programs hold one row"
     q, topk, cu = call.lead[0], call.lead[5], call.lead[6]  # topk: the sorted key sets
     width, di, n_rows = spec.topk_width, spec.di, spec.batch * spec.nq
+    if width == 0:  # no row admits a key: dki stays zero
+        return
     chunk = max(1, min(n_rows, PART_BYTES // (width * di * 4)))
     part = torch.empty((chunk, width, di), device=q.device, dtype=torch.float32)
     seq_of = lse2  # placeholder pointer when not packed (never read)
