@@ -20,7 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._indexer_tiles import admitted, index_scores, key_tile, load_keys, load_rows, stack, teacher_mixture
+from ._indexer_tiles import (
+    admitted, index_scores, key_tile, load_keys, load_rows, scaled_coefs, stack, teacher_mixture,
+)  # fmt: skip
 from ._launch import _launch
 from ._tiles import sequence
 
@@ -44,10 +46,7 @@ def dki_pass(call, spec, lse, lse2, coefs, dki) -> None:
     its sort is stable). As in the main pass, the coefficients enter scaled by their largest
     magnitude s and the sums are multiplied by s, so small row weights (a mean's 1 / rows) keep
     a 16-bit dz's full precision."""
-    coef_a, coef_b = coefs
-    s = torch.maximum(coef_a.abs().amax(), coef_b.abs().amax()).reshape(1)
-    s = torch.where(s > 0, s, 1.0)
-    coefs = ((coef_a / s).contiguous(), (coef_b / s).contiguous(), s)
+    coefs = scaled_coefs(*coefs)
     key = "dki-rows" if spec.sparse else "dki"
     consts = call.plan.variants.get(key)
     if consts is None:  # its own dict: the launch cache keys on the dict's identity

@@ -22,6 +22,7 @@ from . import _indexer_dki
 from ._config import pow2_dim
 from ._indexer_lse import _indexer_lse_kernel
 from ._indexer_main import _indexer_main_kernel
+from ._indexer_tiles import scaled_coefs
 from ._launch import LOG2E, PLAN_CACHE_SIZE, _launch
 
 
@@ -177,21 +178,12 @@ def _stats_pass(
     return lse, lse2
 
 
-def _normalized(coef_a: torch.Tensor, coef_b: torch.Tensor):
-    """(a / s, b / s, s) with s the largest |a|, |b| (1 where all are 0), contiguous, s of shape
-    (1,): the main pass rounds dz = (a q - b p) w to 16 bits before its GEMMs and multiplies its
-    sums by s, so small row weights (a mean's 1 / rows) keep float16's full precision."""
-    s = torch.maximum(coef_a.abs().amax(), coef_b.abs().amax()).reshape(1)
-    s = torch.where(s > 0, s, 1.0)
-    return (coef_a / s).contiguous(), (coef_b / s).contiguous(), s
-
-
 def _main_pass(call: _Call, spec, stats, coefs, outputs, write_kl, grads, delta=None):
     """The main pass; `delta` (the correction's REDO): dki's coefficients, the difference from
     the first pass's, while dqi and dw are formed anew from `coefs`."""
     lse, lse2, kl, mass = stats
-    coef_a, coef_b, scale = _normalized(*coefs) if grads else (kl, kl, kl)
-    dcoefs = (coef_a, coef_b, scale) if delta is None else _normalized(*delta)
+    coef_a, coef_b, scale = scaled_coefs(*coefs) if grads else (kl, kl, kl)
+    dcoefs = (coef_a, coef_b, scale) if delta is None else scaled_coefs(*delta)
     dqi, dki, dw = outputs
     needs = (dqi is not None, dki is not None, dw is not None)
     out = tuple(t if t is not None else kl for t in (dqi, dki, dw))  # placeholders are never written
