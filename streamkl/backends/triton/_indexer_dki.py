@@ -21,7 +21,14 @@ import triton
 import triton.language as tl
 
 from ._indexer_tiles import (
-    admitted, index_scores, key_tile, load_keys, load_rows, scaled_coefs, stack, teacher_mixture,
+    admitted,
+    index_scores,
+    key_tile,
+    load_keys,
+    load_rows,
+    scaled_coefs,
+    stack,
+    teacher_mixture,
 )  # fmt: skip
 from ._launch import _launch
 from ._tiles import sequence
