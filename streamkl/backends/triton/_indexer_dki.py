@@ -110,9 +110,8 @@ def _indexer_dki_kernel(
     # COEF_A, COEF_B (rows with both 0 skipped; scaled so that the largest is 1, dz rounded to
     # the inputs' dtype at that size), dki += dz^T @ qi, times GRAD_SCALE at the end. Reads q, k,
     # qi, ki, w, LSE (B, H, Sq), LSE2 (B, Sq), cu_seqlens (VARLEN), COEF_A/COEF_B/GRAD_SCALE;
-    # writes its rows of DKI
-    # (B, Sk, Di) fp32, every key of the tile (zero where no row adds anything). TOPK, TOPK_W:
-    # the main pass's arguments, unused (SPARSE is False).
+    # writes its rows of DKI (B, Sk, Di) fp32, every key of the tile (zero where no row adds
+    # anything). TOPK, TOPK_W: the main pass's arguments, unused (SPARSE is False).
     z = tl.program_id(1)
     b, seq0, q_len, k_len = sequence(CU, z, NQ, NK, VARLEN)
     n0 = tl.program_id(0) * BN

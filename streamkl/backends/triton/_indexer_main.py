@@ -55,9 +55,9 @@ def _indexer_main_kernel(
     # [BN, DIP] ki tile. Registers also hold dqi [GP * BM, DIP] and dw [GP * BM] (fp32). All
     # warps share every step (no warp roles). Reads q, k, qi, ki, w, LSE (B, H, Sq), LSE2
     # (B, Sq), topk (SPARSE), cu_seqlens (VARLEN), COEF_A/COEF_B/GRAD_SCALE (GRADS), DCOEF_A/
-    # DCOEF_B/DGRAD_SCALE (REDO); writes KL and
-    # MASS (B, Sq) fp32 (WRITE_KL), its rows of dqi (B, G, Sq, Di) and dw (B, G, Sq) in their
-    # dtypes, and adds into dki (B, Sk, Di) fp32 with atomics.
+    # DCOEF_B/DGRAD_SCALE (REDO); writes KL and MASS (B, Sq) fp32 (WRITE_KL), its rows of dqi
+    # (B, G, Sq, Di) and dw (B, G, Sq) in their dtypes, and adds into dki (B, Sk, Di) fp32 with
+    # atomics.
     z = tl.program_id(1)
     b, seq0, q_len, k_len = sequence(CU, z, NQ, NK, VARLEN)
     r0 = tl.program_id(0) * BM
