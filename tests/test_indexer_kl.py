@@ -310,12 +310,16 @@ def test_extreme_logits(target):
 
 @pytest.mark.parametrize(
     "case",
-    ["dense-lse-computed", "sparse-lse-given", "dense-lse-over-other-keys", "sparse-dense-lse"],
-)
+    [
+        "dense-lse-computed", "sparse-lse-given", "dense-lse-over-other-keys", "sparse-dense-lse",
+        "dense-lse-slightly-off", "dense-lse-one-row-off",
+    ],
+)  # fmt: skip
 def test_training_step_matches_the_oracle(target, case):
     """The fused step (reduction "mean" with gradients): with the lse computed or given over the
     admitted keys (T = 1), and with a given lse over other keys (T != 1: the dense LSE in sparse
-    mode, a shifted LSE), which the step corrects for."""
+    mode, a shifted LSE, one shifted by 1e-3 everywhere, one row's alone, which leaves the
+    other row of a two-row program right), which the step corrects for."""
     name, device = target
     inputs = make_indexer_inputs(b=2, h=4, hk=2, g=3, nq=11, nk=13, d=12, di=6, seed=21, layout="bnhd",
                                  device=device)  # fmt: skip
@@ -327,7 +331,32 @@ def test_training_step_matches_the_oracle(target, case):
         call["lse"] = _given_lse(inputs, torch.float32, **call) + 0.3
     elif case == "sparse-dense-lse":
         call["lse"] = _given_lse(inputs, torch.float32, causal=True)
+    elif case == "dense-lse-slightly-off":
+        call["lse"] = _given_lse(inputs, torch.float32, **call) + 1e-3
+    elif case == "dense-lse-one-row-off":
+        call["lse"] = _given_lse(inputs, torch.float32, **call)
+        call["lse"][1, :, 6] += 0.5
     _check_step(inputs, "mean", name, **call)
+
+
+def test_float16_step_keeps_a_means_gradients_for_the_loss_scale(target):
+    """float16 with a loss scale (GradScaler's 65536) over many rows: the fused step's mean
+    gradients, 1 / rows of each row's, are held wider than float16 until the scale brings them
+    back, so the scaled gradients match float64's to float16's rounding, not its subnormals."""
+    name, device = target
+    if name == "triton" and device == "cpu":
+        pytest.skip("the interpreter runs float16 tl.dot too slowly at these rows")
+    rows = 2048  # with w ~ 0.01, a row's mean gradient sits in float16's subnormals (~1e-6)
+    q, k, qi, ki, w = make_indexer_inputs(b=1, h=2, hk=1, g=2, nq=rows, nk=rows, d=8, di=4, seed=9,
+                                          dtype=torch.float16, device=device)  # fmt: skip
+    w = w * 0.01
+    leaves = [t.detach().requires_grad_() for t in (qi, ki, w)]
+    (streamkl.indexer_kl(q, k, *leaves, backend=name) * 65536.0).backward()
+    wide = [t.detach().double().requires_grad_() for t in (qi, ki, w)]
+    (streamkl.indexer_kl(q.double(), k.double(), *wide, backend="reference") * 65536.0).backward()
+    for got, want in zip(leaves, wide):
+        err = (got.grad.double() - want.grad).norm() / want.grad.norm()
+        assert err < 1e-2, err
 
 
 def test_mixed_dtypes():

@@ -243,32 +243,36 @@ def _backward_rows(spec, inputs, seg, stats, grad, acc, dtype):
 
 
 def backward(spec: IndexerKLSpec, inputs: IndexerKLInputs, stats: IndexerKLStats, grad_kl) -> IndexerKLGrads:
-    return _gradients(spec, inputs, stats, grad_kl, cast_dki=True)
+    return _gradients(spec, inputs, stats, grad_kl, held=False)
 
 
 def forward_with_grads(
     spec: IndexerKLSpec, inputs: IndexerKLInputs, reduction: str
 ) -> tuple[IndexerKLStats, IndexerKLGrads]:
     """forward, then the backward's gradients for every row's weight in the reduced loss (no
-    fused kernel here), dki left in the compute dtype (streamkl/_backend.py)."""
+    fused kernel here); dki, and float16 dqi and dw (which float16 could not hold before a loss
+    scale brings them back into range), left in the compute dtype (streamkl/_backend.py)."""
     stats = forward(spec, inputs)
     weight = reduced_row_weight(stats.lse2, reduction).expand(stats.kl.shape)
-    return stats, _gradients(spec, inputs, stats, weight, cast_dki=False)
+    return stats, _gradients(spec, inputs, stats, weight, held=True)
 
 
-def _gradients(spec, inputs, stats, grad_kl, cast_dki: bool) -> IndexerKLGrads:
+def _gradients(spec, inputs, stats, grad_kl, held: bool) -> IndexerKLGrads:
     dtype = _compute_dtype(inputs)
     students = (inputs.qi, inputs.ki, inputs.w)
     # dqi and dw rows are written once, in their input's dtype; dki sums over every chunk, so it
-    # accumulates in the compute dtype and is cast once at the end.
+    # accumulates in the compute dtype and is cast once at the end, unless `held` (the fused
+    # step's gradients) keeps it, and float16 dqi, dw, in the compute dtype.
+    kept = [held and t.dtype == torch.float16 for t in students]
+    kept[1] = held
+    wide = [i == 1 or keep for i, keep in enumerate(kept)]
     acc = [
-        None if not need else torch.zeros(t.shape, dtype=dtype if i == 1 else t.dtype, device=t.device)
-        for i, (t, need) in enumerate(zip(students, spec.needs))
+        None if not need else torch.zeros(t.shape, dtype=dtype if w else t.dtype, device=t.device)
+        for t, need, w in zip(students, spec.needs, wide)
     ]
     if spec.nk > 0 and stats.kl.numel() > 0 and any(spec.needs):
         for seg in _segments(spec, inputs.cu_seqlens):
             _backward_rows(spec, inputs, seg, stats, grad_kl, acc, dtype)
-    kept = (False, not cast_dki, False)  # dki may stay in the compute dtype
     return IndexerKLGrads(
         *(a if a is None or keep else a.to(t.dtype) for a, t, keep in zip(acc, students, kept))
     )

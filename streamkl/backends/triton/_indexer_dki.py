@@ -26,9 +26,9 @@ from ._indexer_tiles import (
     key_tile,
     load_keys,
     load_rows,
-    scaled_coefs,
     stack,
     teacher_mixture,
+    unit_coefs,
 )  # fmt: skip
 from ._launch import _launch
 from ._tiles import sequence
@@ -50,10 +50,9 @@ def dki_pass(call, spec, lse, lse2, coefs, dki) -> None:
     _Call of the main pass, whose plan and tensors this pass shares). Dense: the key-major kernel.
     Sparse: the rows in chunks, each row's top-k shares stored by _indexer_dki_rows_kernel and
     added into dki by index_add_ (deterministic under this mode: PyTorch sorts the indices, and
-    its sort is stable). As in the main pass, the coefficients enter scaled by their largest
-    magnitude s and the sums are multiplied by s, so small row weights (a mean's 1 / rows) keep
-    a 16-bit dz's full precision."""
-    coefs = scaled_coefs(*coefs)
+    its sort is stable). As in the main pass, each row tile's coefficients enter scaled so that
+    the largest is 1 and its sums are multiplied back (_indexer_tiles.unit_coefs)."""
+    coefs = tuple(c.contiguous() for c in coefs)
     key = "dki-rows" if spec.sparse else "dki"
     consts = call.plan.variants.get(key)
     if consts is None:  # its own dict: the launch cache keys on the dict's identity
@@ -80,21 +79,23 @@ def _rows_pass(call, spec, lse, lse2, coefs, dki, consts) -> None:
     if spec.packed:  # each packed row's sequence
         rows = torch.arange(spec.nq, device=q.device, dtype=torch.int32)
         seq_of = torch.searchsorted(cu[1:], rows, right=True).to(torch.int32)
-    # a share's key on dki's (B * Sk) axis: padding and repeats (-1) read key 0 and add zeros
-    base = (torch.arange(spec.batch, device=q.device) * spec.nk).view(-1, 1, 1)
-    keys = (topk.clamp_min(0) + base).view(n_rows, width)
+    sets = topk.view(n_rows, width)
     flat = dki.view(-1, di)
     for row0 in range(0, n_rows, chunk):
         n = min(chunk, n_rows - row0)
         tensors = (*call.lead[:7], seq_of, lse, lse2, *coefs, part)
         args = (*tensors, *call.strides, *call.plan.scalars, 1.0 / spec.heads, row0, n_rows)
         _launch(_indexer_dki_rows_kernel, (n,), args, consts)
-        flat.index_add_(0, keys[row0 : row0 + n].reshape(-1), part[:n].view(-1, di))
+        # the chunk's shares' keys on dki's (B * Sk) axis, formed per chunk (bounded memory):
+        # padding and repeats (-1) read key 0 and add zeros
+        batch = torch.arange(row0, row0 + n, device=q.device) // spec.nq
+        keys = sets[row0 : row0 + n].clamp_min(0) + (batch * spec.nk)[:, None]
+        flat.index_add_(0, keys.reshape(-1), part[:n].view(-1, di))
 
 
 @triton.jit(do_not_specialize=["H", "NQ", "NK", "G", "GROUP", "CPG", "N_CHUNKS", "TOPK_W"])
 def _indexer_dki_kernel(
-    Q, K, QI, KI, W, TOPK, CU, LSE, LSE2, COEF_A, COEF_B, GRAD_SCALE, DKI,
+    Q, K, QI, KI, W, TOPK, CU, LSE, LSE2, COEF_A, COEF_B, DKI,
     sqb, sqh, sqn, sqd, skb, skh, skn, skd, sib, sig, sin, sid, skib, skin, skid, swb, swg, swn,
     H, NQ, NK, G, GROUP, CPG, N_CHUNKS, TOPK_W, c_log2, inv_h,
     D: tl.constexpr, DI: tl.constexpr, DIP: tl.constexpr, BD: tl.constexpr,
@@ -107,9 +108,9 @@ def _indexer_dki_kernel(
     # the row tiles from the first that sees key n0 (causal) to the sequence's end. Per row tile,
     # the main pass's step: teacher mixture p [BM, BN] (head chunks stacked as GEMM rows), the
     # student's stacked [GP * BM, DIP] qi against the ki tile, dI = a q - b p with (a, b) of
-    # COEF_A, COEF_B (rows with both 0 skipped; scaled so that the largest is 1, dz rounded to
-    # the inputs' dtype at that size), dki += dz^T @ qi, times GRAD_SCALE at the end. Reads q, k,
-    # qi, ki, w, LSE (B, H, Sq), LSE2 (B, Sq), cu_seqlens (VARLEN), COEF_A/COEF_B/GRAD_SCALE;
+    # COEF_A, COEF_B (rows with both 0 skipped; the tile's scaled so that the largest is 1, dz
+    # rounded to the inputs' dtype at that size), dki += (dz^T @ qi) times that scale. Reads q,
+    # k, qi, ki, w, LSE (B, H, Sq), LSE2 (B, Sq), cu_seqlens (VARLEN), COEF_A/COEF_B;
     # writes its rows of DKI (B, Sk, Di) fp32, every key of the tile (zero where no row adds
     # anything). TOPK, TOPK_W: the main pass's arguments, unused (SPARSE is False).
     z = tl.program_id(1)
@@ -144,6 +145,7 @@ def _indexer_dki_kernel(
         row_at = b64 * NQ + seq64 + rows
         coef_a = tl.load(COEF_A + row_at, mask=row_ok, other=0.0)
         coef_b = tl.load(COEF_B + row_at, mask=row_ok, other=0.0)
+        coef_a, coef_b, scale = unit_coefs(coef_a, coef_b)
         if tl.max(tl.abs(coef_a) + tl.abs(coef_b), 0) > 0.0:
             lse2 = tl.load(LSE2 + row_at, mask=row_ok, other=float("-inf"))
             lse2 = tl.where(lse2 > float("-inf"), lse2, float("inf"))
@@ -165,15 +167,14 @@ def _indexer_dki_kernel(
             q = tl.where(adm, tl.exp(log_q), 0.0)
             d_scores = stack(coef_a[:, None] * q - coef_b[:, None] * p, GP, BM, BN)
             dz = tl.where(zs > 0.0, d_scores * w_s[:, None], 0.0)
-            dki += tl.dot(tl.trans(dz.to(qi.dtype)), qi, input_precision=PREC_S)
+            dki += tl.dot(tl.trans(dz.to(qi.dtype)), qi, input_precision=PREC_S) * scale
     ptrs = DKI + (b64 * NK + seq64 + key.to(tl.int64))[:, None] * DI + offs_di[None, :]
-    dki *= tl.load(GRAD_SCALE)
     tl.store(ptrs, dki, mask=ok[:, None] & (offs_di[None, :] < DI))
 
 
 @triton.jit(do_not_specialize=["H", "NQ", "NK", "G", "GROUP", "CPG", "N_CHUNKS", "TOPK_W", "ROW0", "N_ROWS"])
 def _indexer_dki_rows_kernel(
-    Q, K, QI, KI, W, TOPK, CU, SEQ_OF, LSE, LSE2, COEF_A, COEF_B, GRAD_SCALE, PART,
+    Q, K, QI, KI, W, TOPK, CU, SEQ_OF, LSE, LSE2, COEF_A, COEF_B, PART,
     sqb, sqh, sqn, sqd, skb, skh, skn, skd, sib, sig, sin, sid, skib, skin, skid, swb, swg, swn,
     H, NQ, NK, G, GROUP, CPG, N_CHUNKS, TOPK_W, c_log2, inv_h, ROW0, N_ROWS,
     D: tl.constexpr, DI: tl.constexpr, DIP: tl.constexpr, BD: tl.constexpr,
@@ -183,7 +184,8 @@ def _indexer_dki_rows_kernel(
 ):  # fmt: skip
     # Sparse mode (BM = 1). grid: (rows of the chunk,). Program i owns row ROW0 + i of the
     # (B, Sq) row space (its packed sequence read from SEQ_OF), walks its top-k set BN entries
-    # at a time as the main pass does, and stores each entry's share dz^T qi (times GRAD_SCALE;
+    # at a time as the main pass does, and stores each entry's share dz^T qi (coefficients
+    # scaled as the main pass's;
     # 0 for padding, repeats and keys the row does not admit) to PART [i, entry, :] (chunk rows
     # x TOPK_W x DI, fp32). No atomics: the launcher adds PART into dki with one index_add_.
     g_row = ROW0 + tl.program_id(0)
@@ -218,7 +220,7 @@ def _indexer_dki_rows_kernel(
     qi = load_rows(QI + b64 * sib + seq64 * sin, g_slot, g_rows, g_ok, g_row_ok, sig, sin, sid, 0, DI, DIP)
     w_ptrs = W + b64 * swb + seq64 * swn + g_slot.to(tl.int64) * swg + g_rows.to(tl.int64) * swn
     w_s = tl.load(w_ptrs, mask=g_ok & g_row_ok, other=0.0).to(tl.float32)
-    grad_scale = tl.load(GRAD_SCALE)
+    coef_a, coef_b, grad_scale = unit_coefs(coef_a, coef_b)
     offs_di = tl.arange(0, DIP)
     PART_ROW = PART + tl.program_id(0).to(tl.int64) * TOPK_W * DI
     for n0 in range(0, TOPK_W, BN):

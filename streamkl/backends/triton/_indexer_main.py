@@ -11,17 +11,15 @@ the index scores I_j and log q_j = I_j - LSE2. Then, as asked:
              rescaling is needed.
   GRADS      dI_j = a q_j - b p_j with per-row (a, b) read from COEF_A, COEF_B (the backward:
              a = g [T > 0], b = g / T; the fused training step: a = b = the row's weight in the
-             reduced loss, T = 1; its correction where T != 1), scaled so that the largest is
-             1, their scale s read from GRAD_SCALE and applied to the sums below: dz is rounded
-             to 16 bits before the GEMMs, and a mean's 1 / rows would push float16 into its
-             subnormals. Then
+             reduced loss, T = 1; its correction where T != 1), scaled so that the program's
+             largest is 1 and the sums below multiplied back (_indexer_tiles.unit_coefs). Then
              dz_g = dI w_g [z_g > 0] and dw_g += sum_j dI_j relu(z_g), dqi_g += dz_g @ ki (both
              per row, in registers), dki += dz^T @ qi (fp32 atomics: a key's rows live in many
              programs, and a key-major pass would recompute the teacher, the cost this pass exists
              to pay once). REDO (the fused step's correction, on rows whose T != 1): dqi and
              dw are formed again with the rows' whole coefficients and overwrite the stored
              ones (each rounded once), while dki, which mixes rows, receives only the
-             difference from the first pass's, from DCOEF_A, DCOEF_B and DGRAD_SCALE.
+             difference from the first pass's, from DCOEF_A, DCOEF_B.
 """
 
 from __future__ import annotations
@@ -29,14 +27,22 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._indexer_tiles import admitted, index_scores, key_tile, load_keys, load_rows, stack, teacher_mixture
+from ._indexer_tiles import (
+    admitted,
+    index_scores,
+    key_tile,
+    load_keys,
+    load_rows,
+    stack,
+    teacher_mixture,
+    unit_coefs,
+)
 from ._tiles import key_range, sequence
 
 
 @triton.jit(do_not_specialize=["H", "NQ", "NK", "G", "GROUP", "CPG", "N_CHUNKS", "TOPK_W"])
 def _indexer_main_kernel(
-    Q, K, QI, KI, W, TOPK, CU, LSE, LSE2, COEF_A, COEF_B, GRAD_SCALE, DCOEF_A, DCOEF_B, DGRAD_SCALE,
-    KL, MASS, DQI, DKI, DW,
+    Q, K, QI, KI, W, TOPK, CU, LSE, LSE2, COEF_A, COEF_B, DCOEF_A, DCOEF_B, KL, MASS, DQI, DKI, DW,
     sqb, sqh, sqn, sqd, skb, skh, skn, skd, sib, sig, sin, sid, skib, skin, skid, swb, swg, swn,
     H, NQ, NK, G, GROUP, CPG, N_CHUNKS, TOPK_W, c_log2, inv_h,
     D: tl.constexpr, DI: tl.constexpr, DIP: tl.constexpr, BD: tl.constexpr,
@@ -54,8 +60,8 @@ def _indexer_main_kernel(
     # G heads x BM rows as one [GP * BM, DIP] operand held for the whole walk against the
     # [BN, DIP] ki tile. Registers also hold dqi [GP * BM, DIP] and dw [GP * BM] (fp32). All
     # warps share every step (no warp roles). Reads q, k, qi, ki, w, LSE (B, H, Sq), LSE2
-    # (B, Sq), topk (SPARSE), cu_seqlens (VARLEN), COEF_A/COEF_B/GRAD_SCALE (GRADS), DCOEF_A/
-    # DCOEF_B/DGRAD_SCALE (REDO); writes KL and MASS (B, Sq) fp32 (WRITE_KL), its rows of dqi
+    # (B, Sq), topk (SPARSE), cu_seqlens (VARLEN), COEF_A/COEF_B (GRADS), DCOEF_A/DCOEF_B
+    # (REDO); writes KL and MASS (B, Sq) fp32 (WRITE_KL), its rows of dqi
     # (B, G, Sq, Di) and dw (B, G, Sq) in their dtypes, and adds into dki (B, Sk, Di) fp32 with
     # atomics.
     z = tl.program_id(1)
@@ -71,11 +77,11 @@ def _indexer_main_kernel(
     if GRADS:
         coef_a = tl.load(COEF_A + row_at, mask=row_ok, other=0.0)
         coef_b = tl.load(COEF_B + row_at, mask=row_ok, other=0.0)
-        grad_scale = tl.load(GRAD_SCALE)
+        coef_a, coef_b, grad_scale = unit_coefs(coef_a, coef_b)
         if REDO:
             dcoef_a = tl.load(DCOEF_A + row_at, mask=row_ok, other=0.0)
             dcoef_b = tl.load(DCOEF_B + row_at, mask=row_ok, other=0.0)
-            dgrad_scale = tl.load(DGRAD_SCALE)
+            dcoef_a, dcoef_b, dgrad_scale = unit_coefs(dcoef_a, dcoef_b)
             if tl.max(tl.abs(dcoef_a) + tl.abs(dcoef_b), 0) == 0.0:
                 return  # the correction: these rows' gradients are right already
             idle = r0 < 0  # a row of no target mass still adds its -q to dki

@@ -11,20 +11,21 @@ over the slots. For the MQA teacher all heads of a chunk share the key tile: one
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
 from ._tiles import visible
 
 
-def scaled_coefs(coef_a: torch.Tensor, coef_b: torch.Tensor):
-    """(a / s, b / s, s) with s the largest |a|, |b| (1 where all are 0), contiguous, s of shape
-    (1,): the gradient passes round dz = (a q - b p) w to 16 bits before their GEMMs and multiply
-    their sums by s, so small row weights (a mean's 1 / rows) keep float16's full precision."""
-    s = torch.maximum(coef_a.abs().amax(), coef_b.abs().amax()).reshape(1)
-    s = torch.where(s > 0, s, 1.0)
-    return (coef_a / s).contiguous(), (coef_b / s).contiguous(), s
+@triton.jit
+def unit_coefs(coef_a, coef_b):
+    """(a / s, b / s, s) for the per-row coefficients [R] of the rows a tile holds, s their
+    largest magnitude (1 where all are 0): the gradient passes round dz = (a q - b p) w to 16
+    bits before their GEMMs and multiply the sums by s, so small or far-apart row weights (a
+    mean's 1 / rows, a row's 1 / T) keep a 16-bit dz's full precision."""
+    s = tl.max(tl.maximum(tl.abs(coef_a), tl.abs(coef_b)), 0)
+    s = tl.where(s > 0.0, s, 1.0)
+    return coef_a / s, coef_b / s, s
 
 
 @triton.jit
