@@ -17,10 +17,13 @@ TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 
 @nox.session
 def tests(session):
-    """The CPU suite: reference, op, compile, errors, hypothesis, triton interpreter, bench smoke."""
+    """The CPU suite: reference, op, compile, errors, hypothesis, triton interpreter, bench smoke;
+    one pytest-xdist worker per core (the triton interpreter and the gloo ranks are single
+    processes, so two cores run it in three quarters of the time)."""
     session.install(TORCH_CPU)
     session.install("-e", ".[test,triton,bench,cuda]")
-    session.run("pytest", "-q", *session.posargs, env={"HYPOTHESIS_PROFILE": "ci", "PYTHONUNBUFFERED": "1"})
+    env = {"HYPOTHESIS_PROFILE": "ci", "PYTHONUNBUFFERED": "1"}
+    session.run("pytest", "-q", "-n", "auto", *session.posargs, env=env)
 
 
 @nox.session
