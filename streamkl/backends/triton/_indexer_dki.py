@@ -26,7 +26,7 @@ from ._indexer_tiles import (
     key_tile,
     load_keys,
     load_rows,
-    stack,
+    score_grads,
     teacher_mixture,
     unit_coefs,
 )  # fmt: skip
@@ -165,8 +165,7 @@ def _indexer_dki_kernel(
             scores, zs = index_scores(qi, ki, w_s, GP, BM, BN, PREC_S)
             log_q = tl.where(adm, scores - lse2[:, None], 0.0)
             q = tl.where(adm, tl.exp(log_q), 0.0)
-            d_scores = stack(coef_a[:, None] * q - coef_b[:, None] * p, GP, BM, BN)
-            dz = tl.where(zs > 0.0, d_scores * w_s[:, None], 0.0)
+            _, dz = score_grads(coef_a, coef_b, q, p, zs, w_s, GP, BM, BN)
             dki += tl.dot(tl.trans(dz.to(qi.dtype)), qi, input_precision=PREC_S) * scale
     ptrs = DKI + (b64 * NK + seq64 + key.to(tl.int64))[:, None] * DI + offs_di[None, :]
     tl.store(ptrs, dki, mask=ok[:, None] & (offs_di[None, :] < DI))
@@ -236,8 +235,7 @@ def _indexer_dki_rows_kernel(
         scores, zs = index_scores(qi, ki, w_s, GP, BM, BN, PREC_S)
         log_q = tl.where(adm, scores - lse2[:, None], 0.0)
         q = tl.where(adm, tl.exp(log_q), 0.0)
-        d_scores = stack(coef_a[:, None] * q - coef_b[:, None] * p, GP, BM, BN)
-        dz = tl.where(zs > 0.0, d_scores * w_s[:, None], 0.0)
+        _, dz = score_grads(coef_a, coef_b, q, p, zs, w_s, GP, BM, BN)
         part = tl.dot(tl.trans(dz.to(qi.dtype)), qi, input_precision=PREC_S) * grad_scale  # [BN, DIP]
         entry = n0 + tl.arange(0, BN)
         ptrs = PART_ROW + entry.to(tl.int64)[:, None] * DI + offs_di[None, :]

@@ -33,7 +33,7 @@ from ._indexer_tiles import (
     key_tile,
     load_keys,
     load_rows,
-    stack,
+    score_grads,
     teacher_mixture,
     unit_coefs,
 )
@@ -146,17 +146,14 @@ def _indexer_main_kernel(
             ratio += tl.sum(tl.where(pos, p * (tl.log(tl.where(pos, p, 1.0)) - log_q), 0.0), 1)
         if GRADS:
             q = tl.where(adm, tl.exp(log_q), 0.0)
-            d_scores = stack(coef_a[:, None] * q - coef_b[:, None] * p, GP, BM, BN)
+            d_scores, dz = score_grads(coef_a, coef_b, q, p, zs, w_s, GP, BM, BN)
             if NEED_DW:
                 dw += tl.sum(d_scores * tl.maximum(zs, 0.0), 1)
-            if NEED_DQI or (NEED_DKI and not REDO):
-                dz = tl.where(zs > 0.0, d_scores * w_s[:, None], 0.0)
             if NEED_DQI:
                 dqi += tl.dot(dz.to(ki.dtype), ki, input_precision=PREC_S)
             if NEED_DKI:
                 if REDO:
-                    d_delta = stack(dcoef_a[:, None] * q - dcoef_b[:, None] * p, GP, BM, BN)
-                    dz_k = tl.where(zs > 0.0, d_delta * w_s[:, None], 0.0)
+                    _, dz_k = score_grads(dcoef_a, dcoef_b, q, p, zs, w_s, GP, BM, BN)
                 else:
                     dz_k = dz
                 part = tl.dot(tl.trans(dz_k.to(qi.dtype)), qi, input_precision=PREC_S)  # [BN, DIP]

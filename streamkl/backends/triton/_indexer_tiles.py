@@ -29,6 +29,15 @@ def unit_coefs(coef_a, coef_b):
 
 
 @triton.jit
+def score_grads(coef_a, coef_b, q, p, zs, w_s, GP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """(dI, dz), both [GP * BM, BN] stacked: each row's dI_j = a q_j - b p_j over the indexer
+    heads, and dz_g = dI w_g [z_g > 0], the gradient through head g's ReLU and weight
+    (docs/indexer.md, Gradients); coef_a, coef_b [BM], q, p [BM, BN], zs [GP * BM, BN]."""
+    d_scores = stack(coef_a[:, None] * q - coef_b[:, None] * p, GP, BM, BN)
+    return d_scores, tl.where(zs > 0.0, d_scores * w_s[:, None], 0.0)
+
+
+@triton.jit
 def stack(x, S: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
     """[BM, BN] per-row values as the [S * BM, BN] stacked layout (each slot a copy)."""
     return tl.reshape(tl.broadcast_to(x[None, :, :], (S, BM, BN)), (S * BM, BN))
