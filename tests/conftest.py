@@ -1,6 +1,12 @@
 import os
+import tempfile
 
 import torch
+
+# Inductor's on-disk caches key a compiled graph on its code, not on the schemas of the custom ops
+# it calls, so a machine's cache from before a schema change can serve a stale graph: each test
+# process compiles into its own fresh folder (a shell's own choice wins).
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="streamkl-tests-inductor-"))
 
 # Without a GPU the triton backend runs on CPU tensors in Triton's interpreter, which reads this
 # variable once, when triton is first imported: set it before any test module imports triton.
