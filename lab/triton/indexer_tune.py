@@ -35,12 +35,9 @@ from streamkl.backends.triton._indexer_launch import IndexerCfg
 SHIPPED = None
 VARIANTS = [  # the shipped tiles, then the next candidates (lab/notes/indexer_log.md, "Next")
     SHIPPED,
-    [1, 64, 64, 128, None, 4, 3],
-    [1, 64, 32, 128, None, 4, 3],
+    [1, 64, 64, 128, None, 4, 4],
+    [1, 64, 64, 128, None, 4, 2],
     [1, 64, 32, 128, None, 4, 4],
-    [1, 128, 64, 128, None, 8, 3],
-    [1, 128, 32, 128, None, 8, 3],
-    [1, 64, 64, 128, None, 8, 4],
 ]
 
 

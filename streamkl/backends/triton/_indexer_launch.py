@@ -46,9 +46,9 @@ def _pow2(n: int) -> int:
 def indexer_cfg(spec: IndexerKLSpec, dtype: torch.dtype, interpret: bool) -> IndexerCfg:
     """Where 16 or more teacher heads share a key head (MLA's absorbed MQA), a program holds one
     query row and all of its heads up to 128: one [128, BD] x [BD, 64] GEMM per step, the student
-    G x 1 rows; one warpgroup (4 warps) and two stages, so two programs share an SM and hide
-    each other's loop starts (lab/notes/indexer_log.md: 1.9x the forward and 2.4x the training
-    step of the two-warpgroup, 32-key, one-stage tiles at 4K, and the same in sparse mode).
+    G x 1 rows; one warpgroup (4 warps) and three stages, so two programs share an SM and hide
+    each other's loop starts (lab/notes/indexer_log.md: 2.3x the forward and 2.7x the training
+    step of the two-warpgroup, 32-key, one-stage tiles at 4K, and about as much in sparse mode).
     Sparse rows gather their own keys, so they always hold one row. Otherwise (MHA, small
     groups) a program holds two rows, so the student's GEMM is 2 x G rows, with 8 warps and 32
     keys (at 64 its main pass spills at sm_90) and three stages. Under the interpreter the tiles
@@ -61,7 +61,7 @@ def indexer_cfg(spec: IndexerKLSpec, dtype: torch.dtype, interpret: bool) -> Ind
     elif dtype == torch.float32:
         bn, bd, heads, warps, stages = 32, 32, 32, 8, 1
     elif wide or spec.sparse:
-        bn, bd, heads, warps, stages = 64, 64, 128, 4, 2
+        bn, bd, heads, warps, stages = 64, 64, 128, 4, 3
     else:
         bn, bd, heads, warps, stages = 32, 64, 64, 8, 3
     hb = max(min(_pow2(spec.group), heads), least)
