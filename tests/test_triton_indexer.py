@@ -109,14 +109,15 @@ def _spec(h, hk, g, d, di, sparse=False, n=4096):
 
 def test_tiles_stack_heads_as_the_gemm_rows():
     """DeepSeek-V3.2 on a GPU: programs of one row stack its 128 MQA heads (one chunk) and its 64
-    indexer heads as the GEMMs' rows, dense or sparse, in one warpgroup; an MHA teacher's program
-    holds 2 rows and its chunk is one head padded to 8 (2 rows x 8 >= 16, tl.dot's least M)."""
+    indexer heads as the GEMMs' rows, dense or sparse, in one warpgroup with three stages; an MHA
+    teacher's program holds 2 rows and its chunk is one head padded to 8 (2 rows x 8 >= 16, tl.dot's
+    least M)."""
     from streamkl.backends.triton._indexer_launch import indexer_cfg, plan
 
     for sparse in (False, True):
         cfg = indexer_cfg(_spec(128, 1, 64, 576, 128, sparse=sparse), torch.bfloat16, False)
         tiles = (cfg.bm, cfg.hb, cfg.gp, cfg.bd, cfg.bn, cfg.num_warps, cfg.num_stages)
-        assert tiles == (1, 128, 64, 64, 64, 4, 2)
+        assert tiles == (1, 128, 64, 64, 64, 4, 3)
     mha = indexer_cfg(_spec(128, 128, 8, 192, 128), torch.bfloat16, False)
     assert (mha.bm, mha.hb, mha.gp) == (2, 8, 8)
     p = plan(_spec(128, 1, 64, 576, 128), torch.bfloat16, torch.bfloat16, False)
