@@ -238,10 +238,10 @@ def _impl_name(impl) -> str:
     return next(name for name in _dispatch.BACKENDS if _dispatch.implementation(name, OP) is impl)
 
 
-def _label(name: str, impl) -> str:
+def _label(name: str, impl, spec, inputs) -> str:
     label = f"auto: {_impl_name(impl)}" if name == "auto" else name
-    borrowed = impl.backward_backend  # a forward-only backend runs another's backward
-    return f"{label} (+{borrowed} backward)" if borrowed else label
+    serving = _dispatch.backward_of(impl, spec, inputs)  # where its own backward declines, another's
+    return f"{label} (+{_impl_name(serving)} backward)" if serving is not impl else label
 
 
 def _row(impl, spec, inputs, grad, expected, device):
@@ -330,11 +330,11 @@ def main(argv=None) -> int:
         try:
             cells, ok = _row(impl, spec, inputs, grad, expected, device)
         except Exception as exc:  # noqa: BLE001 - one backend's failure is its row; the others run
-            rows.append([_label(name, impl), f"FAIL: {type(exc).__name__}: {exc}"])
+            rows.append([_label(name, impl, spec, inputs), f"FAIL: {type(exc).__name__}: {exc}"])
             print(f"python -m streamkl: backend {name!r} raised {type(exc).__name__}: {exc}", file=sys.stderr)
             status = 1
             continue
-        rows.append([_label(name, impl), *cells])
+        rows.append([_label(name, impl, spec, inputs), *cells])
         status = status or (0 if ok else 1)
     _print_table(["backend", "kl err", "grad err", "check", "fwd ms", "fwd+bwd ms", "extra MiB"], rows)
     for note in _notes(dtype):

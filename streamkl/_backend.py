@@ -36,9 +36,9 @@ class AttnKLBackend(Protocol):
     """attn_kl on one backend."""
 
     op: str  # "attn_kl"
-    # The backend whose `backward` serves this one's forward (None: its own). A backend without
-    # a backward of its own admits in `supports` only inputs that one runs too, and its forward
-    # writes the statistics that one reads.
+    # The backend whose `backward` serves this one's forward where its own backward declines the
+    # call (None: its own serves every call). Such a backend admits in `supports` only inputs that
+    # one runs too, and its forward writes the statistics that one reads.
     backward_backend: str | None
 
     def supports(self, spec: AttnKLSpec, inputs: AttnKLInputs) -> str | None:
@@ -53,6 +53,11 @@ class AttnKLBackend(Protocol):
     def forward(self, spec: AttnKLSpec, inputs: AttnKLInputs) -> AttnKLStats | tuple[Tensor, Tensor, Tensor]:
         """(kl, lse1, lse2), each (B, H, Nq) float32 (float64 for float64 inputs), fresh and
         contiguous; rows that see no key: kl = 0, lse = -inf."""
+        ...
+
+    def backward_declines(self, spec: AttnKLSpec, inputs: AttnKLInputs) -> str | None:
+        """Why this backend's own backward does not run a call its forward ran (backward_backend's
+        then does), or None. Asked only where backward_backend is set."""
         ...
 
     def backward(

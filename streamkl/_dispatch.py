@@ -93,8 +93,11 @@ def select(op: str, spec, inputs, backend: str | None = None):
     return implementation(name, op)
 
 
-def backward_of(impl):
-    """The implementation whose `backward` serves `impl`'s forward: itself, or the backend it
-    names in `backward_backend` (a backend without a backward of its own yet)."""
+def backward_of(impl, spec, inputs):
+    """The implementation whose `backward` serves `impl`'s forward on this call: itself, or the
+    backend it names in `backward_backend` where its own backward declines the call (a backend
+    whose backward covers only part of what its forward runs)."""
     name = impl.backward_backend
-    return impl if name is None else implementation(name, impl.op)
+    if name is None or impl.backward_declines(spec, inputs) is None:
+        return impl
+    return implementation(name, impl.op)

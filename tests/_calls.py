@@ -29,7 +29,8 @@ class BackendCalls:
                  max_seqlen=None, needs=(True, True, True, True)):  # fmt: skip
         spec = self._spec(q1, k1, q2, k2, causal, scale1, scale2, cu_seqlens, needs, max_seqlen)
         inputs = AttnKLInputs(q1, k1, q2, k2, cu_seqlens)
-        return _dispatch.backward_of(self.impl).backward(spec, inputs, AttnKLStats(kl, lse1, lse2), grad)
+        stats = AttnKLStats(kl, lse1, lse2)
+        return _dispatch.backward_of(self.impl, spec, inputs).backward(spec, inputs, stats, grad)
 
 
 reference = BackendCalls("reference")

@@ -293,8 +293,9 @@ def test_backend_functions_keep_their_contract(target):
         assert torch.isneginf(lse1[:, :, :4]).all() and torch.isneginf(lse2[:, :, :4]).all()
         assert torch.isfinite(lse1[:, :, 4:]).all() and (kl[:, :, :4] == 0).all()
         g = torch.ones_like(kl)
-        backward = _dispatch.backward_of(impl).backward  # a forward-only backend names another's
-        grads = backward(spec.with_needs(SETTING1), inputs, stats, g)
+        spec1 = spec.with_needs(SETTING1)
+        backward = _dispatch.backward_of(impl, spec1, inputs).backward  # its own, or the one it names
+        grads = backward(spec1, inputs, stats, g)
         assert grads[0] is None and grads[1] is None
         for got, t in zip(grads[2:], (q2, k2)):
             assert got.shape == t.shape and got.dtype == t.dtype and got.is_contiguous()

@@ -18,15 +18,15 @@ import pytest
 import torch
 
 import streamkl
-from streamkl import _checks
-from streamkl._spec import AttnKLInputs
+from streamkl import _checks, _dispatch
+from streamkl._spec import AttnKLInputs, AttnKLStats
 from streamkl.testing import make_inputs
 
 from .tolerance import Expected
 
 pytest.importorskip("cuda.core")
 
-from streamkl.backends.cuda import _jit, _launch  # noqa: E402
+from streamkl.backends.cuda import _bwd, _jit, _launch  # noqa: E402
 from streamkl.backends.cuda import attn_kl as backend  # noqa: E402
 
 
@@ -58,6 +58,42 @@ def test_shipped_kernels_compile_within_budget(consts):
     assert combine["spill_stores"] == combine["spill_loads"] == combine["stack"] == 0, build.log
     assert "serialized" not in build.log and "warning" not in build.log.lower(), build.log
     assert _launch.smem_bytes(consts) <= _launch.SMEM_LIMIT
+
+
+def _bwd_id(c):
+    return f"{'fp16' if c['KL_FP16'] else 'bf16'}-d{c['D1P']}x{c['D2P']}-s{c['QSTAGES']}-dq{c['DQ_KEYS']}"
+
+
+@pytest.mark.parametrize("consts", _bwd.shipped_instantiations(), ids=_bwd_id)
+def test_backward_kernels_compile_within_budget(consts):
+    """Every backward instantiation compiles for sm_90a within the launch's register budget, with
+    no spill, no stack and no serialized wgmma, in the shared memory its launch asks for."""
+    build = _bwd.build(consts)
+    assert build.registers <= min(255, (65536 // _bwd.THREADS) // 8 * 8), build.log
+    assert build.spill_bytes == 0 and build.stack_bytes == 0, build.log
+    assert "serialized" not in build.log and "warning" not in build.log.lower(), build.log
+    assert _bwd.smem_bytes(consts) <= _launch.SMEM_LIMIT
+
+
+def test_backward_declines_what_it_does_not_run(monkeypatch):
+    """The cuda backward runs setting 1 of dense inputs whose teacher GQA group is a multiple of
+    the student's; the rest goes to triton's (backward_of)."""
+    q = torch.empty(1, 4, 8, 64, dtype=torch.bfloat16)
+    k2 = torch.empty(1, 2, 8, 64, dtype=torch.bfloat16)
+    spec, inputs = _spec((q, q, q, k2))  # g1 = 1, g2 = 2
+    assert "multiple" in backend.backward_declines(spec.with_needs(_bwd.SETTING1), inputs)
+    spec, inputs = _spec((q, k2, q, k2))
+    assert backend.backward_declines(spec.with_needs(_bwd.SETTING1), inputs) is None
+    assert _dispatch.backward_of(backend, spec.with_needs(_bwd.SETTING1), inputs) is backend
+    triton = _dispatch.implementation("triton", "attn_kl")
+    for needs in ((True,) * 4, (True, True, False, False), (False, False, True, False)):
+        assert "setting 1" in backend.backward_declines(spec.with_needs(needs), inputs)
+        assert _dispatch.backward_of(backend, spec.with_needs(needs), inputs) is triton
+    odd = torch.empty(1, 4, 8, 63, dtype=torch.bfloat16)
+    spec_odd, inputs_odd = _spec((q, q, odd, odd))
+    assert "even D2" in backend.backward_declines(spec_odd.with_needs(_bwd.SETTING1), inputs_odd)
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
+    assert "deterministic" in backend.backward_declines(spec.with_needs(_bwd.SETTING1), inputs)
 
 
 def test_every_supported_head_dim_has_a_shipped_kernel():
@@ -445,3 +481,68 @@ def test_side_stream_and_no_host_sync():
             torch.cuda.set_sync_debug_mode("default")
     torch.cuda.current_stream().wait_stream(side)
     torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+# ---- GPU: the backward (kernels/kl_bwd.cu, setting 1) against the oracle ----
+
+
+def _check_backward(inputs, causal, scale1=None, scale2=None):
+    spec, call = _spec(inputs, causal, scale1, scale2)
+    spec = spec.with_needs(_bwd.SETTING1)
+    assert _dispatch.backward_of(backend, spec, call) is backend
+    stats = AttnKLStats(*backend.forward(spec, call))
+    g = torch.randn(stats.kl.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    grads = backend.backward(spec, call, stats, g.float().cuda())
+    torch.cuda.synchronize()
+    expected = Expected(inputs, causal=causal, scale1=scale1, scale2=scale2, grad=g)
+    expected.check_grads(grads, inputs, needs=_bwd.SETTING1)
+
+
+@gpu
+@sm90
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("nq,nk", EDGES)
+def test_backward_tile_edges(nq, nk, causal):
+    """Query and key counts around the backward's tiles (64 rows, 128 keys), both alignments of
+    the causal frontier, a teacher MQA group over a student GQA group, D1 != D2."""
+    for dtype in (torch.bfloat16, torch.float16):
+        inputs = make_inputs(b=2, h=4, hk1=1, hk2=2, nq=nq, nk=nk, d1=128, d2=64, dtype=dtype, device="cuda",
+                             seed=nq * 5 + nk)  # fmt: skip
+        _check_backward(inputs, causal)
+
+
+@gpu
+@sm90
+@pytest.mark.parametrize("d1,d2", [(64, 64), (128, 128), (40, 72), (96, 128), (128, 8)])
+@pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
+def test_backward_head_dims_and_layouts(d1, d2, layout):
+    """Head dims padded to 64 or 128 (TMA's zero fill), read in place from (B, N, H, D) views."""
+    for causal in (False, True):
+        inputs = make_inputs(b=1, h=3, nq=300, nk=260, d1=d1, d2=d2, dtype=torch.bfloat16, device="cuda",
+                             layout=layout, seed=d1 + d2)  # fmt: skip
+        _check_backward(inputs, causal, scale1=0.11, scale2=-0.07)
+
+
+@gpu
+@sm90
+@pytest.mark.parametrize("nq,nk", [(1, 4096), (16, 8192), (64, 1000)])
+def test_backward_decode_shapes(nq, nk):
+    inputs = make_inputs(b=1, h=8, hk1=2, hk2=2, nq=nq, nk=nk, d1=128, d2=128, dtype=torch.bfloat16,
+                         device="cuda", seed=nq)  # fmt: skip
+    for causal in (False, True):
+        _check_backward(inputs, causal)
+
+
+@gpu
+@sm90
+def test_op_runs_the_cuda_backward_for_setting_1():
+    """Through the op, eager and compiled: gradients to q2 and k2 only take the cuda backward and
+    match the triton backend's."""
+    q1, k1, q2, k2 = make_inputs(h=4, hk2=2, hk1=2, nq=333, nk=500, d1=64, d2=128, dtype=torch.bfloat16,
+                                 device="cuda", layout="bnhd", seed=4)  # fmt: skip
+    q2, k2 = q2.requires_grad_(), k2.requires_grad_()
+    ref = torch.autograd.grad(streamkl.attn_kl(q1, k1, q2, k2, causal=True, backend="triton"), (q2, k2))
+    for fn in (streamkl.attn_kl, torch.compile(streamkl.attn_kl, fullgraph=True)):
+        kl = fn(q1, k1, q2, k2, causal=True, backend="cuda")
+        for g, r in zip(torch.autograd.grad(kl, (q2, k2)), ref):
+            torch.testing.assert_close(g, r, atol=2e-2, rtol=2e-2)

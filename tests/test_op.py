@@ -108,7 +108,10 @@ def test_a_forward_only_backend_borrows_the_named_backward(monkeypatch):
     reference = _dispatch.implementation("reference", "attn_kl")
     forwards, backwards = [], []
     forward_only = types.SimpleNamespace(
-        op="attn_kl", backward_backend="reference", forward=_counted(forwards, reference.forward)
+        op="attn_kl",
+        backward_backend="reference",
+        backward_declines=lambda spec, inputs: "no backward of its own",
+        forward=_counted(forwards, reference.forward),
     )
     monkeypatch.setattr(_dispatch, "select", lambda *args, **kwargs: forward_only)
     monkeypatch.setattr(reference, "backward", _counted(backwards, reference.backward))

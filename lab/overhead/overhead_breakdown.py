@@ -111,8 +111,8 @@ def rows_of(backend: str, dev, dtype):
     spec = _checks.attn_kl_spec(q1, k1, q2, k2, **call)
     inputs = AttnKLInputs(q1, k1, q2.detach(), k2.detach())
     impl = _dispatch.select(OP, spec, inputs, backend)
-    bwd_impl = _dispatch.backward_of(impl)  # a forward-only backend borrows another's backward
     bwd_spec = spec.with_needs(STUDENT)
+    bwd_impl = _dispatch.backward_of(impl, bwd_spec, inputs)  # where its own declines, another's
 
     def direct_fwd():
         return impl.forward(spec, inputs)

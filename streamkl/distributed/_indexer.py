@@ -278,7 +278,7 @@ def run_backward(
     ctx.resolve(spec.nq)
     # a rank with no rows still takes part: the others' keys pass through it, its keys' gradients come home
     if spec.batch > 0 and ctx.total > 0 and any(spec.needs):
-        backend = _dispatch.backward_of(checked.impl)
+        backend = _dispatch.backward_of(checked.impl, spec, inputs)
         grad_kl = grad_kl.to(dtype)
         lse = stats.lse if spec.given_lse else None
         total = ctx.total

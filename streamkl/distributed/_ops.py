@@ -93,7 +93,7 @@ def run_backward(
     ctx.resolve(spec.nq)
     # a rank with no rows still takes part: the others' keys pass through it, its keys' gradients come home
     if spec.batch * spec.heads > 0 and ctx.total > 0 and any(spec.needs):
-        backend = _dispatch.backward_of(checked.impl)
+        backend = _dispatch.backward_of(checked.impl, spec, inputs)
         grad_kl = grad_kl.to(dtype)
         key_grads = {i: grads[2 * i + 1] for i in (0, 1) if spec.needs[2 * i + 1]}
 

@@ -45,7 +45,7 @@ def _forward(impl, spec: AttnKLSpec, inputs: AttnKLInputs) -> AttnKLStats:
 def _backward(impl, spec: AttnKLSpec, inputs: AttnKLInputs, stats: AttnKLStats, grad_kl: Tensor):
     grad_kl = grad_kl.to(stats.kl.dtype).contiguous()
     with on_device(inputs.q1), torch.no_grad():
-        return _dispatch.backward_of(impl).backward(spec, inputs, stats, grad_kl)
+        return _dispatch.backward_of(impl, spec, inputs).backward(spec, inputs, stats, grad_kl)
 
 
 def _reduce(kl: Tensor, reduction: str, rows: int) -> Tensor:

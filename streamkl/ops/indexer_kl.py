@@ -55,7 +55,7 @@ def _forward(impl, spec: IndexerKLSpec, inputs: IndexerKLInputs) -> IndexerKLSta
 def _backward(impl, spec: IndexerKLSpec, inputs: IndexerKLInputs, stats: IndexerKLStats, grad_kl: Tensor):
     grad_kl = grad_kl.to(stats.kl.dtype).contiguous()
     with on_device(inputs.q), torch.no_grad():
-        return _dispatch.backward_of(impl).backward(spec, inputs, stats, grad_kl)
+        return _dispatch.backward_of(impl, spec, inputs).backward(spec, inputs, stats, grad_kl)
 
 
 def _reduce(kl: Tensor, reduction: str, lse2: Tensor) -> Tensor:

@@ -157,6 +157,10 @@ def _forward_dense_rows(q1, k1, q2, k2, causal, scale1, scale2, kl, lse1, lse2):
         del diff, p1
 
 
+def backward_declines(spec: AttnKLSpec, inputs: AttnKLInputs) -> str | None:
+    return None  # its own backward runs every call its forward does
+
+
 def forward(spec: AttnKLSpec, inputs: AttnKLInputs) -> AttnKLStats:
     q1, k1, q2, k2, cu_seqlens = inputs
     causal, scale1, scale2 = spec.causal, spec.scale1, spec.scale2

@@ -1,6 +1,8 @@
 """attn_kl on the cuda backend (streamkl/_backend.py's protocol): the forward is a
-warp-specialized TMA + wgmma kernel (kernels/); its backward is the triton backend's, run on this
-forward's (kl, lse1, lse2), so `supports` admits only inputs triton runs too."""
+warp-specialized TMA + wgmma kernel (kernels/kl_fwd.cu); the backward of setting 1 (dq2, dk2) is
+another (kernels/kl_bwd.cu, _bwd.declines says which calls it runs), and the triton backend's
+backward, run on this forward's (kl, lse1, lse2), serves the rest, so `supports` admits only
+inputs triton runs too."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import torch
 from ..._spec import AttnKLInputs, AttnKLSpec
 
 op = "attn_kl"
-backward_backend = "triton"  # no CUDA backward yet
+backward_backend = "triton"  # for the backwards kernels/kl_bwd.cu does not run
 # At this many query rows or fewer (decode), where a head dim is over 64, triton's split-K reads
 # the keys 1-6% faster (docs/cuda.md, Dispatch); where both are at most 64, and from 32 rows on
 # everywhere, this kernel is faster.
@@ -79,5 +81,13 @@ def forward(spec: AttnKLSpec, inputs: AttnKLInputs):
     return launch(spec, inputs)
 
 
+def backward_declines(spec: AttnKLSpec, inputs: AttnKLInputs) -> str | None:
+    from ._bwd import declines
+
+    return declines(spec, inputs)
+
+
 def backward(spec: AttnKLSpec, inputs: AttnKLInputs, stats, grad_kl):
-    raise NotImplementedError("the cuda backend has no backward of its own: the op runs backward_backend's")
+    from ._bwd import backward as launch
+
+    return launch(spec, inputs, stats, grad_kl)

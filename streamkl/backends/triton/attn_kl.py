@@ -61,6 +61,10 @@ def auto_declines(spec: AttnKLSpec, inputs: AttnKLInputs) -> str | None:
     return None
 
 
+def backward_declines(spec: AttnKLSpec, inputs: AttnKLInputs) -> str | None:
+    return None  # its own backward runs every call its forward does
+
+
 def forward(spec: AttnKLSpec, inputs: AttnKLInputs):
     from . import _launch
 

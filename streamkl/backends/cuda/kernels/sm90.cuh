@@ -162,3 +162,80 @@ KL_DEV unsigned lds32(unsigned addr) {
   asm volatile("ld.shared.b32 %0, [%1];" : "=r"(v) : "r"(addr));
   return v;
 }
+
+// ---- the backward's extra instructions (kl_bwd.cu) ----
+
+// Descriptor of an MN-major operand (the GEMM's M or N dimension runs along the 128-byte rows: a
+// K x N tile stored as TMA writes a row-major N-wide tile, one K row per 128 bytes): stride byte
+// offset 1024 (eight K rows, one swizzle atom), leading byte offset `lbo` (the next 64 M/N columns,
+// one slab on), 128B swizzle. Stepping k by 16 rows adds 2048 B.
+KL_DEV unsigned long long smem_desc_mn(unsigned addr, unsigned lbo) {
+  return (unsigned long long)((addr & 0x3FFFF) >> 4) | ((unsigned long long)(lbo >> 4) << 16) | (64ull << 32) |
+         (1ull << 62);
+}
+
+// wgmma m64n64k16, B transposed (MN-major): D[64 x 64] (+)= A[64 x 16] * B[16 x 64], A K-major in
+// shared memory (desc_a) or from registers (a[4], the layout of wgmma_m64n64k16_rs).
+template <bool ACC>
+KL_DEV void wgmma_m64n64k16_tb(float* d, unsigned long long desc_a, unsigned long long desc_b) {
+  if constexpr (ACC)
+    asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32." KL_AB "." KL_AB " " KL_D32 ", %32, %33, 1, 1, 1, 0, 1;\n"
+                 : KL_OPS32(KL_RW)
+                 : "l"(desc_a), "l"(desc_b));
+  else
+    asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32." KL_AB "." KL_AB " " KL_D32 ", %32, %33, 0, 1, 1, 0, 1;\n"
+                 : KL_OPS32(KL_WO)
+                 : "l"(desc_a), "l"(desc_b));
+}
+
+template <bool ACC>
+KL_DEV void wgmma_m64n64k16_rs_tb(float* d, const unsigned* a, unsigned long long desc_b) {
+  if constexpr (ACC)
+    asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32." KL_AB "." KL_AB " " KL_D32
+                 ", {%32, %33, %34, %35}, %36, 1, 1, 1, 1;\n"
+                 : KL_OPS32(KL_RW)
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
+  else
+    asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32." KL_AB "." KL_AB " " KL_D32
+                 ", {%32, %33, %34, %35}, %36, 0, 1, 1, 1;\n"
+                 : KL_OPS32(KL_WO)
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
+}
+
+// wgmma m64n32k16, B transposed: d[16], D[64 x 32] (+)= A[64 x 16] * B[16 x 32], both in shared memory.
+#define KL_OPS16(M) KL_OPS8(M, 0), KL_OPS8(M, 8)
+#define KL_D16 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
+template <bool ACC>
+KL_DEV void wgmma_m64n32k16_tb(float* d, unsigned long long desc_a, unsigned long long desc_b) {
+  if constexpr (ACC)
+    asm volatile("wgmma.mma_async.sync.aligned.m64n32k16.f32." KL_AB "." KL_AB " " KL_D16 ", %16, %17, 1, 1, 1, 0, 1;\n"
+                 : KL_OPS16(KL_RW)
+                 : "l"(desc_a), "l"(desc_b));
+  else
+    asm volatile("wgmma.mma_async.sync.aligned.m64n32k16.f32." KL_AB "." KL_AB " " KL_D16 ", %16, %17, 0, 1, 1, 0, 1;\n"
+                 : KL_OPS16(KL_WO)
+                 : "l"(desc_a), "l"(desc_b));
+}
+
+// Two floats as the wgmma operand type, packed: lo in the low half (the lower column).
+KL_DEV unsigned pack2(float lo, float hi) {
+  unsigned r;
+#if KL_FP16
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+#else
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+#endif
+  return r;
+}
+
+KL_DEV void sts16(unsigned addr, unsigned short v) { asm volatile("st.shared.b16 [%0], %1;" ::"r"(addr), "h"(v)); }
+
+// Orders this thread's generic-proxy shared-memory writes before later async-proxy (wgmma) reads.
+KL_DEV void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
+// Named barrier `id` over `count` threads (whole warps); id 0 is __syncthreads'.
+KL_DEV void bar_sync(int id, int count) { asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(count) : "memory"); }
+
+KL_DEV void red_add2(float* p, float a, float b) {
+  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(p), "f"(a), "f"(b) : "memory");
+}
