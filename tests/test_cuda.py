@@ -61,7 +61,7 @@ def test_shipped_kernels_compile_within_budget(consts):
 
 
 def _bwd_id(c):
-    return f"{'fp16' if c['KL_FP16'] else 'bf16'}-d{c['D1P']}x{c['D2P']}-s{c['QSTAGES']}-dq{c['DQ_KEYS']}"
+    return f"{'fp16' if c['KL_FP16'] else 'bf16'}-d{c['D1P']}x{c['D2P']}-s{c['QSTAGES']}"
 
 
 @pytest.mark.parametrize("consts", _bwd.shipped_instantiations(), ids=_bwd_id)
@@ -541,8 +541,8 @@ def test_op_runs_the_cuda_backward_for_setting_1():
     q1, k1, q2, k2 = make_inputs(h=4, hk2=2, hk1=2, nq=333, nk=500, d1=64, d2=128, dtype=torch.bfloat16,
                                  device="cuda", layout="bnhd", seed=4)  # fmt: skip
     q2, k2 = q2.requires_grad_(), k2.requires_grad_()
-    ref = torch.autograd.grad(streamkl.attn_kl(q1, k1, q2, k2, causal=True, backend="triton"), (q2, k2))
+    ref = torch.autograd.grad(streamkl.attn_kl(q1, k1, q2, k2, causal=True, backend="triton").sum(), (q2, k2))
     for fn in (streamkl.attn_kl, torch.compile(streamkl.attn_kl, fullgraph=True)):
         kl = fn(q1, k1, q2, k2, causal=True, backend="cuda")
-        for g, r in zip(torch.autograd.grad(kl, (q2, k2)), ref):
+        for g, r in zip(torch.autograd.grad(kl.sum(), (q2, k2)), ref):
             torch.testing.assert_close(g, r, atol=2e-2, rtol=2e-2)

@@ -1,8 +1,6 @@
 """The cuda backward (kernels/kl_bwd.cu, setting 1) on an H200, in one call: its dq2 and dk2
-against the float64 reference beside the triton backward's error on the same inputs, for each
-dQ variant (DQ_KEYS 0: the consumers split dq2's columns over all the CTA's keys; 1: each its own
-keys over every column), then backward times of both variants and triton's, interleaved, with a
-bf16 GEMM yardstick in the same run.
+against the float64 reference beside the triton backward's error on the same inputs, then
+backward times of both, interleaved, with a bf16 GEMM yardstick in the same run.
 
     PYTHONPATH=. python lab/cuda/bwd_check.py --out $OUT/bwd.json [--skip-time]
 """
@@ -60,10 +58,9 @@ def check(dtype) -> list[dict]:
         ref = torch.autograd.grad(kl64, q64[2:], grad.double())
         tri = triton_launch.backward(spec, inputs, stats, grad)
         rec = dict(case=case, dtype=str(dtype), triton=[_err(tri[2], ref[0]), _err(tri[3], ref[1])])
-        for v in (0, 1):
-            got = _bwd.backward(spec, inputs, stats, grad, dq_keys=v)
-            torch.cuda.synchronize()
-            rec[f"cuda{v}"] = [_err(got[2], ref[0]), _err(got[3], ref[1])]
+        got = _bwd.backward(spec, inputs, stats, grad)
+        torch.cuda.synchronize()
+        rec["cuda"] = [_err(got[2], ref[0]), _err(got[3], ref[1])]
         print(rec, flush=True)
         out.append(rec)
     return out
@@ -92,8 +89,7 @@ def timing() -> list[dict]:
             call = (spec, inputs, stats, grad)
             fns = {
                 "triton": functools.partial(triton_launch.backward, *call),
-                "cuda0": functools.partial(_bwd.backward, *call, dq_keys=0),
-                "cuda1": functools.partial(_bwd.backward, *call, dq_keys=1),
+                "cuda": functools.partial(_bwd.backward, *call),
                 "gemm": gemm,
             }
             for f in fns.values():
@@ -106,7 +102,7 @@ def timing() -> list[dict]:
             pairs = 0.5 * n * n + n / 2 if causal else n * n
             flop = 4 * 2 * 32 * pairs * 128  # four GEMMs per pair
             rec = dict(n=n, causal=causal, ms=best, gemm_tflops=2 * 8192**3 / best["gemm"] / 1e9)
-            rec["tflops"] = {k: flop / best[k] / 1e9 for k in ("triton", "cuda0", "cuda1")}
+            rec["tflops"] = {k: flop / best[k] / 1e9 for k in ("triton", "cuda")}
             print(rec, flush=True)
             out.append(rec)
     return out

@@ -41,10 +41,10 @@ def smem_bytes(c: dict) -> int:
     return k + q + ds + rows + 8 * (1 + 2 * c["QSTAGES"]) + 1024
 
 
-def shipped(d1p: int, d2p: int, fp16: bool, dq_keys: int = 0) -> dict:
+def shipped(d1p: int, d2p: int, fp16: bool) -> dict:
     """The compile-time constants (kl_bwd.cu's header) for padded head dims (d1p, d2p): a ring of
     as many query stages as shared memory holds, up to MAX_QSTAGES."""
-    c = dict(KL_FP16=int(fp16), D1P=d1p, D2P=d2p, DQ_KEYS=dq_keys)
+    c = dict(KL_FP16=int(fp16), D1P=d1p, D2P=d2p)
     c["QSTAGES"] = max(s for s in range(1, MAX_QSTAGES + 1) if smem_bytes(dict(c, QSTAGES=s)) <= SMEM_LIMIT)
     return c
 
@@ -94,9 +94,7 @@ def kernel(consts_items: tuple, device_index: int):
     return handle, smem
 
 
-def backward(
-    spec: AttnKLSpec, inputs: AttnKLInputs, stats: AttnKLStats, grad_kl: torch.Tensor, dq_keys: int = 0
-):
+def backward(spec: AttnKLSpec, inputs: AttnKLInputs, stats: AttnKLStats, grad_kl: torch.Tensor):
     """(None, None, dq2, dk2) of setting 1 (declines() is None), contiguous in q2's and k2's dtype."""
     q1, k1, q2, k2, _ = inputs
     empty = spec.rows == 0 or spec.nk == 0
@@ -108,7 +106,7 @@ def backward(
     _, lse1, lse2 = (t.to(torch.float32).contiguous() for t in stats)
     dev = q1.device
     index = dev.index if dev.index is not None else torch.cuda.current_device()
-    consts = shipped(padded_dim(spec.d1), padded_dim(spec.d2), q1.dtype == torch.float16, dq_keys)
+    consts = shipped(padded_dim(spec.d1), padded_dim(spec.d2), q1.dtype == torch.float16)
     handle, smem = kernel(tuple(sorted(consts.items())), index)
     m_tiles = -(-spec.nq // BM)
     block = (

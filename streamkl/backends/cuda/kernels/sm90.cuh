@@ -202,20 +202,27 @@ KL_DEV void wgmma_m64n64k16_rs_tb(float* d, const unsigned* a, unsigned long lon
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
 }
 
-// wgmma m64n32k16, B transposed: d[16], D[64 x 32] (+)= A[64 x 16] * B[16 x 32], both in shared memory.
+// wgmma m64n32k16: d[16], D[64 x 32] (+)= A[64 x 16] * B, both in shared memory, A K-major, B
+// K-major (TB = 0, B[32 x 16]^T) or MN-major (TB = 1, B[16 x 32]).
 #define KL_OPS16(M) KL_OPS8(M, 0), KL_OPS8(M, 8)
 #define KL_D16 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
-template <bool ACC>
-KL_DEV void wgmma_m64n32k16_tb(float* d, unsigned long long desc_a, unsigned long long desc_b) {
-  if constexpr (ACC)
-    asm volatile("wgmma.mma_async.sync.aligned.m64n32k16.f32." KL_AB "." KL_AB " " KL_D16 ", %16, %17, 1, 1, 1, 0, 1;\n"
-                 : KL_OPS16(KL_RW)
-                 : "l"(desc_a), "l"(desc_b));
+#define KL_N32(SCALE_D, TB, OPS) \
+  asm volatile("wgmma.mma_async.sync.aligned.m64n32k16.f32." KL_AB "." KL_AB " " KL_D16 ", %16, %17, " SCALE_D \
+               ", 1, 1, 0, " TB ";\n"                                                                          \
+               : KL_OPS16(OPS)                                                                                 \
+               : "l"(desc_a), "l"(desc_b))
+template <bool ACC, int TB>
+KL_DEV void wgmma_m64n32k16(float* d, unsigned long long desc_a, unsigned long long desc_b) {
+  if constexpr (ACC && TB)
+    KL_N32("1", "1", KL_RW);
+  else if constexpr (ACC)
+    KL_N32("1", "0", KL_RW);
+  else if constexpr (TB)
+    KL_N32("0", "1", KL_WO);
   else
-    asm volatile("wgmma.mma_async.sync.aligned.m64n32k16.f32." KL_AB "." KL_AB " " KL_D16 ", %16, %17, 0, 1, 1, 0, 1;\n"
-                 : KL_OPS16(KL_WO)
-                 : "l"(desc_a), "l"(desc_b));
+    KL_N32("0", "0", KL_WO);
 }
+#undef KL_N32
 
 // Two floats as the wgmma operand type, packed: lo in the low half (the lower column).
 KL_DEV unsigned pack2(float lo, float hi) {
