@@ -72,8 +72,18 @@ def triton_bwd() -> str:
     return value
 
 
+def cuda_bwd() -> str:
+    """STREAMKL_CUDA_BWD: triton (default: the cuda backend's forward takes triton's backward,
+    measured faster) | cuda (its own backward, kernels/kl_bwd.cu, on the calls it runs)."""
+    value = _read("STREAMKL_CUDA_BWD", "triton")
+    if value not in ("triton", "cuda"):
+        raise ValueError(f"STREAMKL_CUDA_BWD must be triton or cuda, got {value!r}")
+    return value
+
+
 def check_all() -> None:
     """Reads every variable, so a bad value fails the call before any kernel runs."""
     reference_chunk()
     triton_split_k()
     triton_bwd()
+    cuda_bwd()

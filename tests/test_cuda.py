@@ -76,9 +76,16 @@ def test_backward_kernels_compile_within_budget(consts):
 
 
 def test_backward_declines_what_it_does_not_run(monkeypatch):
-    """The cuda backward runs setting 1 of dense inputs whose teacher GQA group is a multiple of
-    the student's; the rest goes to triton's (backward_of)."""
+    """The cuda backward runs under STREAMKL_CUDA_BWD=cuda, on setting 1 of dense inputs whose
+    teacher GQA group is a multiple of the student's; the rest goes to triton's (backward_of)."""
     q = torch.empty(1, 4, 8, 64, dtype=torch.bfloat16)
+    spec, inputs = _spec((q, q, q, q))
+    monkeypatch.delenv("STREAMKL_CUDA_BWD", raising=False)
+    assert "STREAMKL_CUDA_BWD=cuda" in backend.backward_declines(spec.with_needs(_bwd.SETTING1), inputs)
+    monkeypatch.setenv("STREAMKL_CUDA_BWD", "fast")
+    with pytest.raises(ValueError, match="STREAMKL_CUDA_BWD"):
+        backend.backward_declines(spec.with_needs(_bwd.SETTING1), inputs)
+    monkeypatch.setenv("STREAMKL_CUDA_BWD", "cuda")
     k2 = torch.empty(1, 2, 8, 64, dtype=torch.bfloat16)
     spec, inputs = _spec((q, q, q, k2))  # g1 = 1, g2 = 2
     assert "multiple" in backend.backward_declines(spec.with_needs(_bwd.SETTING1), inputs)
@@ -486,6 +493,12 @@ def test_side_stream_and_no_host_sync():
 # ---- GPU: the backward (kernels/kl_bwd.cu, setting 1) against the oracle ----
 
 
+@pytest.fixture
+def cuda_backward(monkeypatch):
+    """The cuda backend's own backward where it runs the call (STREAMKL_CUDA_BWD=cuda)."""
+    monkeypatch.setenv("STREAMKL_CUDA_BWD", "cuda")
+
+
 def _check_backward(inputs, causal, scale1=None, scale2=None):
     spec, call = _spec(inputs, causal, scale1, scale2)
     spec = spec.with_needs(_bwd.SETTING1)
@@ -502,7 +515,7 @@ def _check_backward(inputs, causal, scale1=None, scale2=None):
 @sm90
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("nq,nk", EDGES)
-def test_backward_tile_edges(nq, nk, causal):
+def test_backward_tile_edges(nq, nk, causal, cuda_backward):
     """Query and key counts around the backward's tiles (64 rows, 128 keys), both alignments of
     the causal frontier, a teacher MQA group over a student GQA group, D1 != D2."""
     for dtype in (torch.bfloat16, torch.float16):
@@ -515,7 +528,7 @@ def test_backward_tile_edges(nq, nk, causal):
 @sm90
 @pytest.mark.parametrize("d1,d2", [(64, 64), (128, 128), (40, 72), (96, 128), (128, 8)])
 @pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
-def test_backward_head_dims_and_layouts(d1, d2, layout):
+def test_backward_head_dims_and_layouts(d1, d2, layout, cuda_backward):
     """Head dims padded to 64 or 128 (TMA's zero fill), read in place from (B, N, H, D) views."""
     for causal in (False, True):
         inputs = make_inputs(b=1, h=3, nq=300, nk=260, d1=d1, d2=d2, dtype=torch.bfloat16, device="cuda",
@@ -526,7 +539,7 @@ def test_backward_head_dims_and_layouts(d1, d2, layout):
 @gpu
 @sm90
 @pytest.mark.parametrize("nq,nk", [(1, 4096), (16, 8192), (64, 1000)])
-def test_backward_decode_shapes(nq, nk):
+def test_backward_decode_shapes(nq, nk, cuda_backward):
     inputs = make_inputs(b=1, h=8, hk1=2, hk2=2, nq=nq, nk=nk, d1=128, d2=128, dtype=torch.bfloat16,
                          device="cuda", seed=nq)  # fmt: skip
     for causal in (False, True):
@@ -535,9 +548,9 @@ def test_backward_decode_shapes(nq, nk):
 
 @gpu
 @sm90
-def test_op_runs_the_cuda_backward_for_setting_1():
-    """Through the op, eager and compiled: gradients to q2 and k2 only take the cuda backward and
-    match the triton backend's."""
+def test_op_runs_the_cuda_backward_for_setting_1(cuda_backward):
+    """Through the op, eager and compiled, under STREAMKL_CUDA_BWD=cuda: gradients to q2 and k2
+    only take the cuda backward and match the triton backend's."""
     q1, k1, q2, k2 = make_inputs(h=4, hk2=2, hk1=2, nq=333, nk=500, d1=64, d2=128, dtype=torch.bfloat16,
                                  device="cuda", layout="bnhd", seed=4)  # fmt: skip
     q2, k2 = q2.requires_grad_(), k2.requires_grad_()

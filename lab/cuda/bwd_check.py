@@ -3,6 +3,8 @@ against the float64 reference beside the triton backward's error on the same inp
 backward times of both, interleaved, with a bf16 GEMM yardstick in the same run.
 
     PYTHONPATH=. python lab/cuda/bwd_check.py --out $OUT/bwd.json [--skip-time]
+
+It sets STREAMKL_CUDA_BWD=cuda for itself (the kernel is opt-in).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import time
 
 import torch
@@ -113,6 +116,7 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--skip-time", action="store_true")
     args = ap.parse_args()
+    os.environ["STREAMKL_CUDA_BWD"] = "cuda"
     t0 = time.time()
     res = {"check": check(torch.bfloat16) + check(torch.float16)[:3]}
     res["check_s"] = time.time() - t0

@@ -14,17 +14,15 @@
 //   L1, L2 (+inf for rows past Nq or that saw no key) and G = g s2 (0 there) into the stage.
 //   Warpgroups 1..NWG are consumers (setmaxnreg.inc to 240); consumer c owns keys
 //   [64 c, 64 c + 64) of the tile and per query tile:
-//     S1^T = K1_c Q1^T, S2^T = K2_c Q2^T      (64 keys x 64 rows in two halves of 32, wgmma SS,
-//                                              both operands K-major)
+//     S1^T = K1_c Q1^T, S2^T = K2_c Q2^T      (64 keys x 64 rows, wgmma SS, both operands K-major)
 //     dS^T = G (P2 - P1), masked               (registers; the A operand of the next GEMM as is)
 //     dK2_c += dS^T Q2                         (wgmma RS, Q2 MN-major: registers accumulate dk2)
 //     dS -> shared memory (K-major, 16-bit, double-buffered), a named barrier between the
 //       consumers, then dQ[:, its D2P / 2 columns] = dS K2[:, those columns] over all BN keys
 //       (wgmma SS, K2 MN-major), added into the float32 dq2 buffer with red.global.add.v2.f32
-//       (rows < Nq, columns < D2) one tile later.
-//   consume orders the GEMMs so that each runs under work it does not feed (dQ(i) is issued with
-//   tile i + 1's scores and runs under its dS update), with no wgmma in flight across the loop's
-//   back edge.
+//       (rows < Nq, columns < D2).
+//   The steps run in this order, each waiting for the last (no wgmma in flight across the loop's
+//   back edge); the other consumer's GEMMs are what runs under a consumer's dS update.
 //   After the last tile it writes its keys' dk2 rows (keys < Nk, columns < D2) in the inputs'
 //   dtype; a CTA with no query tile writes zeros.
 // Tiles in shared memory, all 1024-byte-aligned slabs of 64 columns, 128-byte swizzled as TMA
@@ -101,16 +99,15 @@ KL_DEV BwdWork bwd_work(const BwdParams& p) {
   return w;
 }
 
-// S^T (64 keys x 32 rows) = K_c . Q[rows 32 half ..]^T, k-steps over DP: the K tile's consumer-c rows
-// (64 c into each slab) as A, half `half` of the query tile (32 rows, 4096 bytes on) as B.
+// The K tile's consumer-c rows as the A operand, k-step kk of a 64 x DP GEMM: 64 c rows into each slab.
 template <int DP>
-KL_DEV void gemm_kq(float* s, unsigned k_tile, unsigned q_tile, int c, int half) {
-  const unsigned long long da = smem_desc(k_tile + c * 64 * 128), db = smem_desc(q_tile + half * 32 * 128);
+KL_DEV void gemm_kq(float* s, unsigned k_tile, unsigned q_tile, int c) {
+  const unsigned long long da = smem_desc(k_tile + c * 64 * 128), db = smem_desc(q_tile);
 #pragma unroll
   for (int kk = 0; kk < DP / 16; ++kk) {
     const unsigned long long a = smem_desc_add(da, (kk / 4) * SLAB_K + (kk % 4) * 32);
     const unsigned long long b = smem_desc_add(db, (kk / 4) * SLAB_Q + (kk % 4) * 32);
-    if (kk == 0) wgmma_m64n32k16<false, 0>(s, a, b); else wgmma_m64n32k16<true, 0>(s, a, b);
+    if (kk == 0) wgmma_m64n64k16<false>(s, a, b); else wgmma_m64n64k16<true>(s, a, b);
   }
 }
 
@@ -153,102 +150,6 @@ KL_DEV void produce(const BwdParams& p, const BwdWork& w, int tid, unsigned base
   }
 }
 
-// dS (rows x keys) of this consumer's keys from its A fragments a (keys x rows) into dS buffer ds,
-// K-major and 128B-swizzled: row q at q * 128 bytes, key column kc of slab c.
-KL_DEV void store_ds(const unsigned* a, unsigned ds, int c, int warp, int lane) {
-#pragma unroll
-  for (int j = 0; j < BM / 8; ++j) {
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const unsigned v = a[4 * (j / 2) + 2 * (j % 2) + i];
-      const int kc = 16 * warp + lane / 4 + 8 * i;
-#pragma unroll
-      for (int k = 0; k < 2; ++k) {
-        const int q = 8 * j + 2 * (lane % 4) + k;
-        const unsigned addr = ds + c * SLAB_Q + q * 128 + ((((kc >> 3) ^ (q & 7)) << 4) | ((kc & 7) << 1));
-        sts16(addr, (unsigned short)(k ? v >> 16 : v & 0xFFFF));
-      }
-    }
-  }
-}
-
-// dQ (BM rows x DQ_N columns from c * DQ_N) = dS (rows x BN keys, buffer ds) . K2 (keys x columns).
-KL_DEV void gemm_dq(float* dq, unsigned ds, unsigned k2_tile, int c) {
-  const unsigned long long da = smem_desc(ds);
-  const int col0 = c * DQ_N;
-  const unsigned b0 = k2_tile + (col0 / 64) * SLAB_K + (col0 % 64) * 2;
-#pragma unroll
-  for (int kk = 0; kk < BN / 16; ++kk) {
-    const unsigned long long a = smem_desc_add(da, (kk / 4) * SLAB_Q + (kk % 4) * 32);
-    const unsigned long long b = smem_desc_mn(b0 + kk * 2048, SLAB_K);
-    if constexpr (DQ_N == 64) {
-      if (kk == 0) wgmma_m64n64k16_tb<false>(dq, a, b); else wgmma_m64n64k16_tb<true>(dq, a, b);
-    } else {
-      if (kk == 0) wgmma_m64n32k16<false, 1>(dq, a, b); else wgmma_m64n32k16<true, 1>(dq, a, b);
-    }
-  }
-}
-
-// Adds a finished dQ tile (rows q0.., head h) into dq2: rows < Nq, columns < D2.
-KL_DEV void add_dq(const BwdParams& p, const BwdWork& w, const float* dq, int h, int q0, int c, int warp, int lane) {
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const int q = q0 + 16 * warp + lane / 4 + 8 * i;
-    if (q < p.nq) {
-      float* row = p.dq2 + (((long long)w.b * p.h + h) * p.nq + q) * p.d2;
-#pragma unroll
-      for (int j = 0; j < DQ_N / 8; ++j) {
-        const int col = c * DQ_N + 8 * j + 2 * (lane % 4);
-        if (col < p.d2) red_add2(row + col, dq[KL_IDX(j, i, 0)], dq[KL_IDX(j, i, 1)]);
-      }
-    }
-  }
-}
-
-// dS^T = G (P2 - P1) of half `half` of the tile (keys x rows 32 half ..) from its scores s1, s2
-// (64 x 32 accumulators), packed as A fragments: element (j, i, k) is key row 8 i, query row
-// 32 half + 8 j + 2 (lane % 4) + k, and the pair k = 0, 1 goes to a[4 (J / 2) + 2 (J % 2) + i] with
-// J = 4 half + j (k-step J / 2 covers rows 16 (J / 2) ..). Masked where a key is past Nk or the
-// row does not see it (`masked`: some element of the tile may be).
-KL_DEV void tile_ds(unsigned* a, const float* s1, const float* s2, const float* rows, const BwdParams& p,
-                    int half, int q0, bool masked, const bool* key_ok, const int* seen_from, int lane) {
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const int col = 32 * half + 8 * j + 2 * (lane % 4);
-    const float2 l1 = *reinterpret_cast<const float2*>(rows + col);
-    const float2 l2 = *reinterpret_cast<const float2*>(rows + BM + col);
-    const float2 g = *reinterpret_cast<const float2*>(rows + 2 * BM + col);
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int x = KL_IDX(j, i, 0), J = 4 * half + j;
-      float d0 = g.x * (ex2(fmaf(p.c2, s2[x], -l2.x)) - ex2(fmaf(p.c1, s1[x], -l1.x)));
-      float d1 = g.y * (ex2(fmaf(p.c2, s2[x + 1], -l2.y)) - ex2(fmaf(p.c1, s1[x + 1], -l1.y)));
-      if (masked) {
-        d0 = key_ok[i] && q0 + col >= seen_from[i] ? d0 : 0.f;
-        d1 = key_ok[i] && q0 + col + 1 >= seen_from[i] ? d1 : 0.f;
-      }
-      a[4 * (J / 2) + 2 * (J % 2) + i] = pack2(d0, d1);
-    }
-  }
-}
-
-// dK2_c += dS^T (k-steps [K0, K1) of the A fragments) . Q2 (MN-major) of the stage.
-template <int K0, int K1>
-KL_DEV void gemm_dk(float* dk, const unsigned* a, unsigned q2_tile) {
-#pragma unroll
-  for (int kk = K0; kk < K1; ++kk) {
-#pragma unroll
-    for (int ns = 0; ns < D2P / 64; ++ns)
-      wgmma_m64n64k16_rs_tb<true>(dk + 32 * ns, a + 4 * kk, smem_desc_mn(q2_tile + ns * SLAB_Q + kk * 2048, SLAB_Q));
-  }
-}
-
-// The consumer's loop. Each tile's scores come in two halves of 32 rows so that each GEMM runs
-// under work it does not feed, and no wgmma is in flight across the loop's back edge:
-//   issue S(half 0), S(half 1), dQ(i - 1) | wait S(0): dS of half 0 under S(1) and dQ(i - 1) |
-//   wait S(1), issue dK2 of half 0: dS of half 1 under it | issue dK2 of half 1: dS stores under it |
-//   wait dQ(i - 1): its dq2 adds | barrier | wait the dK2 GEMMs, release the stage.
-// wgmma groups complete in order, so wait_group N leaves the N most recent in flight.
 KL_DEV void consume(const BwdParams& p, const BwdWork& w, int c, int tid, unsigned base) {
   const unsigned k_full = base + OFF_BAR, full = k_full + 8, empty = full + 8 * QSTAGES;
   const int warp = tid / 32, lane = tid % 32;
@@ -265,65 +166,112 @@ KL_DEV void consume(const BwdParams& p, const BwdWork& w, int c, int tid, unsign
   float dk[D2P / 2];
 #pragma unroll
   for (int x = 0; x < D2P / 2; ++x) dk[x] = 0.f;
-  float dq[DQ_NR];
   if (w.iters > 0) mbar_wait(k_full, 0);
-  int prev_h = 0, prev_q0 = 0;
   for (int it = 0; it < w.iters; ++it) {
     const int stage = it % QSTAGES, h = w.hk * p.g2 + it / w.per_head, q0 = (w.mt0 + it % w.per_head) * BM;
-    const unsigned q1_tile = base + OFF_Q1 + stage * Q1_BYTES, q2_tile = base + OFF_Q2 + stage * Q2_BYTES;
     mbar_wait(full + 8 * stage, (it / QSTAGES) & 1);
-    float s1a[NR / 2], s2a[NR / 2], s1b[NR / 2], s2b[NR / 2];
-    unsigned a[BM / 4];
+    float s1[NR], s2[NR];
     wgmma_fence();
-    gemm_kq<D1P>(s1a, base + OFF_K1, q1_tile, c, 0);
-    gemm_kq<D2P>(s2a, base + OFF_K2, q2_tile, c, 0);
+    gemm_kq<D1P>(s1, base + OFF_K1, base + OFF_Q1 + stage * Q1_BYTES, c);
+    gemm_kq<D2P>(s2, base + OFF_K2, base + OFF_Q2 + stage * Q2_BYTES, c);
     wgmma_commit();
-    gemm_kq<D1P>(s1b, base + OFF_K1, q1_tile, c, 1);
-    gemm_kq<D2P>(s2b, base + OFF_K2, q2_tile, c, 1);
-    wgmma_commit();
-    // dQ(i - 1) from its dS buffer, which the last barrier saw written (an empty group on the
-    // first tile, so every tile waits on the same group counts).
-    if (it > 0) gemm_dq(dq, base + OFF_DS + ((it - 1) & 1) * DS_BYTES, base + OFF_K2, c);
-    wgmma_commit();
-    wgmma_wait<2>();
-    fence_regs<NR / 2>(s1a);
-    fence_regs<NR / 2>(s2a);
+    wgmma_wait<0>();
+    fence_regs<NR>(s1);
+    fence_regs<NR>(s2);
+    // dS^T = G (P2 - P1) over the tile (keys x rows), into s2; masked where a key is past Nk or
+    // the row does not see it (some element may be: the consumer's last key is past Nk, or its
+    // tile's first row does not see that key).
     const float* rows = reinterpret_cast<const float*>(__cvta_shared_to_generic(base + OFF_ROWS + stage * ROW_BYTES));
     const bool masked = last_key >= p.nk || (p.causal && q0 + off < last_key);
-    tile_ds(a, s1a, s2a, rows, p, 0, q0, masked, key_ok, seen_from, lane);
-    wgmma_wait<1>();
-    fence_regs<NR / 2>(s1b);
-    fence_regs<NR / 2>(s2b);
-    __syncwarp();  // the masked / unmasked choice reconverges before wgmma (.aligned)
-    wgmma_fence();
-    gemm_dk<0, BM / 32>(dk, a, q2_tile);
-    wgmma_commit();
-    tile_ds(a, s1b, s2b, rows, p, 1, q0, masked, key_ok, seen_from, lane);
+#pragma unroll
+    for (int j = 0; j < BM / 8; ++j) {
+#pragma unroll
+      for (int k = 0; k < 2; ++k) {
+        const int col = 8 * j + 2 * (lane % 4) + k;
+        const float l1 = rows[col], l2 = rows[BM + col], g = rows[2 * BM + col];
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          const int x = KL_IDX(j, i, k);
+          float d = g * (ex2(fmaf(p.c2, s2[x], -l2)) - ex2(fmaf(p.c1, s1[x], -l1)));
+          if (masked && !(key_ok[i] && q0 + col >= seen_from[i])) d = 0.f;
+          s2[x] = d;
+        }
+      }
+    }
+    // dS^T as wgmma's A fragments (keys x rows; k-step kk covers rows 16 kk .. 16 kk + 15).
+    unsigned a[BM / 4];
+#pragma unroll
+    for (int kk = 0; kk < BM / 16; ++kk) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+#pragma unroll
+        for (int i = 0; i < 2; ++i)
+          a[4 * kk + 2 * half + i] = pack2(s2[KL_IDX(2 * kk + half, i, 0)], s2[KL_IDX(2 * kk + half, i, 1)]);
+      }
+    }
     __syncwarp();
     wgmma_fence();
-    gemm_dk<BM / 32, BM / 16>(dk, a, q2_tile);
+    const unsigned q2_tile = base + OFF_Q2 + stage * Q2_BYTES;
+#pragma unroll
+    for (int kk = 0; kk < BM / 16; ++kk) {
+#pragma unroll
+      for (int ns = 0; ns < D2P / 64; ++ns)
+        wgmma_m64n64k16_rs_tb<true>(dk + 32 * ns, a + 4 * kk, smem_desc_mn(q2_tile + ns * SLAB_Q + kk * 2048, SLAB_Q));
+    }
     wgmma_commit();
-    // dS(i) into buffer i % 2: dQ(i - 2), its last reader, finished before the last barrier.
-    store_ds(a, base + OFF_DS + (it & 1) * DS_BYTES, c, warp, lane);
-    wgmma_wait<2>();  // dQ(i - 1) is done; the dK2 GEMMs may run on
-    if (it > 0) {
-      fence_regs<DQ_NR>(dq);
-      add_dq(p, w, dq, prev_h, prev_q0, c, warp, lane);
+    // dS (rows x keys) into shared memory, K-major 128B-swizzled: row q, key column kc of slab c.
+    const unsigned ds = base + OFF_DS + (it & 1) * DS_BYTES;  // dQ(i - 2) read it before the last barrier
+#pragma unroll
+    for (int j = 0; j < BM / 8; ++j) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const unsigned v = a[4 * (j / 2) + 2 * (j % 2) + i];
+        const int kc = 16 * warp + lane / 4 + 8 * i;
+#pragma unroll
+        for (int k = 0; k < 2; ++k) {
+          const int q = 8 * j + 2 * (lane % 4) + k;
+          const unsigned addr = ds + c * SLAB_Q + q * 128 + ((((kc >> 3) ^ (q & 7)) << 4) | ((kc & 7) << 1));
+          sts16(addr, (unsigned short)(k ? v >> 16 : v & 0xFFFF));
+        }
+      }
     }
     fence_proxy_async();
-    bar_sync(1, 128 * NWG);  // every consumer's dS(i) slab is written
-    wgmma_wait<0>();
-    fence_regs<D2P / 2>(dk);
-    if (tid == 0) mbar_arrive(empty + 8 * stage);  // the S and dK2 GEMMs read it
-    prev_h = h, prev_q0 = q0;
-  }
-  if (w.iters > 0) {
+    float dq[DQ_NR];
+    bar_sync(1, 128 * NWG);  // every consumer's dS slab is written
     wgmma_fence();
-    gemm_dq(dq, base + OFF_DS + ((w.iters - 1) & 1) * DS_BYTES, base + OFF_K2, c);
+    {
+      const unsigned long long da = smem_desc(ds);
+      const int col0 = c * DQ_N;  // this consumer's first column of dq2
+      const unsigned b0 = base + OFF_K2 + (col0 / 64) * SLAB_K + (col0 % 64) * 2;
+#pragma unroll
+      for (int kk = 0; kk < BN / 16; ++kk) {
+        const unsigned long long a_ = smem_desc_add(da, (kk / 4) * SLAB_Q + (kk % 4) * 32);
+        const unsigned long long b_ = smem_desc_mn(b0 + kk * 2048, SLAB_K);
+        if constexpr (DQ_N == 64) {
+          if (kk == 0) wgmma_m64n64k16_tb<false>(dq, a_, b_); else wgmma_m64n64k16_tb<true>(dq, a_, b_);
+        } else {
+          if (kk == 0) wgmma_m64n32k16<false, 1>(dq, a_, b_); else wgmma_m64n32k16<true, 1>(dq, a_, b_);
+        }
+      }
+    }
     wgmma_commit();
     wgmma_wait<0>();
+    fence_regs<D2P / 2>(dk);
     fence_regs<DQ_NR>(dq);
-    add_dq(p, w, dq, prev_h, prev_q0, c, warp, lane);
+    if (tid == 0) mbar_arrive(empty + 8 * stage);
+    const int col0 = c * DQ_N;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int q = q0 + 16 * warp + lane / 4 + 8 * i;
+      if (q < p.nq) {
+        float* row = p.dq2 + (((long long)w.b * p.h + h) * p.nq + q) * p.d2;
+#pragma unroll
+        for (int j = 0; j < DQ_N / 8; ++j) {
+          const int col = col0 + 8 * j + 2 * (lane % 4);
+          if (col < p.d2) red_add2(row + col, dq[KL_IDX(j, i, 0)], dq[KL_IDX(j, i, 1)]);
+        }
+      }
+    }
   }
   // dk2 of the thread's two keys: columns 64 ns + 8 j + 2 (lane % 4) (+1) of accumulator ns.
 #pragma unroll
