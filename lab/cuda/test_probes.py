@@ -36,3 +36,23 @@ def test_probe_kernels_compile_cleanly(module, entry, consts):
     build = _jit.compile_kernel(_source(module), entry, consts)
     assert build.spill_bytes == 0 and build.stack_bytes == 0, build.log
     assert "serialized" not in build.log and "warning" not in build.log.lower(), build.log
+
+
+def _variants():
+    spec = importlib.util.spec_from_file_location("bwd_variants", HERE / "bwd_variants.py")
+    loaded = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(loaded)
+    return loaded
+
+
+@pytest.mark.parametrize("name", list(_variants().VARIANTS))
+def test_backward_variants_apply_and_compile_cleanly(name):
+    """Each variant of bwd_variants.py still patches the shipped kl_bwd.cu (every anchor once) and
+    compiles for sm_90a at D = 128 with no spill and no serialized wgmma."""
+    from streamkl.backends.cuda import _bwd
+
+    variants = _variants()
+    source = variants.patched(_bwd.source(), variants.VARIANTS[name])
+    build = _jit.compile_kernel(source, _bwd.ENTRY, _bwd.shipped(128, 128, False))
+    assert build.spill_bytes == 0 and build.stack_bytes == 0, build.log
+    assert "serialized" not in build.log and "warning" not in build.log.lower(), build.log
