@@ -463,7 +463,8 @@ def part_decode_bwd(args, gemm):
     table's tiles (BLOCK_M 128 in the dq kernel and 64 in the key-major one at any Nq, shipped)
     against BLOCK_M fitted to Nq as the forward's (at least 16, 4 warps below 64 rows) in the dq
     kernel, the key-major kernel or both, under the separate and the fused strategy, and fused
-    with 128-key tiles or keys x queries tiles (no dS^T through shared memory). Checks each on
+    with 128-key tiles, keys x queries tiles (no dS^T through shared memory) or an unpipelined
+    (one-stage) key-major loop. Checks each on
     setting 1 with GQA and three times on both settings with one launch for dk1 and dk2; times the
     backward of setting 1 alone; TFLOP/s count its four GEMMs (bwd1)."""
 
@@ -472,6 +473,7 @@ def part_decode_bwd(args, gemm):
         fit_q = Cfg(bm, 64, 8 if bm >= 64 else 4, 3)
         fit_k = Cfg(min(bm, 64), 64, 4, 2, qrows=True)
         fit_kq = dataclasses.replace(fit_k, qrows=False)  # dS^T to the dk GEMM from registers
+        one_stage = dataclasses.replace(fit_k, num_stages=1)
         table = dict(bq=Cfg(128, 64, 8, 3), bk=Cfg(64, 64, 4, 2, qrows=True))
         return [
             ("table tiles, separate", Variant.of(**table, bwd="separate")),
@@ -483,6 +485,11 @@ def part_decode_bwd(args, gemm):
             ("fitted, fused, 128 keys", Variant.of(bk=dataclasses.replace(fit_k, block_n=128), bwd="fused")),
             ("fitted, keys x queries, separate", Variant.of(bq=fit_q, bk=fit_kq, bwd="separate")),
             ("fitted, keys x queries, fused", Variant.of(bq=fit_q, bk=fit_kq, bwd="fused")),
+            # One stage: the key-major loop unpipelined. The run-to-run wrong dk1 at 16-row tiles
+            # may be the pipeliner's race of a loaded value used a stage later (triton-lang/triton
+            # PR 8139); without a pipeline there is no earlier stage to race with.
+            ("fitted, 1-stage key-major, separate", Variant.of(bq=fit_q, bk=one_stage, bwd="separate")),
+            ("fitted, 1-stage key-major, fused", Variant.of(bq=fit_q, bk=one_stage, bwd="fused")),
             ("shipped rule", SHIPPED),
         ]
 
