@@ -12,6 +12,10 @@ Variants (each a list of (anchor, replacement) patches; every anchor must occur 
   split     S1 and S2 as two commit groups: P1 = 2^(c1 S1 - L1) of every element is formed under
             the S2 GEMM, the rest after it (32 more registers hold P1).
   both      stmatrix and split.
+  offset    dQ(i - 1) issued right after S(i), so it runs under tile i's dS update; the consumers
+            hand each other their dS slabs through mbarriers instead of a named barrier, so
+            neither waits for the other inside a tile.
+  offset-stmatrix  both.
 A variant that wins moves into kernels/kl_bwd.cu; its numbers go to lab/notes/cuda_backward_log.md.
 """
 
@@ -108,15 +112,190 @@ SPLIT = [
     ),
 ]
 
+
+# offset: dQ(i - 1) issued right after S(i) and run under tile i's dS update; the consumers hand
+# each other their dS slabs through mbarriers (ds_full: 128 * NWG arrivals, one per writer thread;
+# ds_empty: NWG, one per reader once its dQ is done) instead of a named barrier, so neither waits
+# for the other inside a tile and they may drift apart; nothing is in flight across the back edge.
+OFFSET_CONSUME = r"""KL_DEV void consume(const BwdParams& p, const BwdWork& w, int c, int tid,
+                        unsigned base) {
+  const unsigned k_full = base + OFF_BAR, full = k_full + 8, empty = full + 8 * QSTAGES;
+  const unsigned ds_full = empty + 8 * QSTAGES, ds_empty = ds_full + 16;  // per dS buffer b: + 8 b
+  const int warp = tid / 32, lane = tid % 32;
+  const int off = causal_offset(p.nq, p.nk);
+  int key[2], seen_from[2];
+  bool key_ok[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    key[i] = w.n0 + 64 * c + 16 * warp + lane / 4 + 8 * i;
+    key_ok[i] = key[i] < p.nk;
+    seen_from[i] = p.causal ? key[i] - off : -2147483647;
+  }
+  const int last_key = w.n0 + 64 * c + 63;
+  const int col0 = c * DQ_N;
+  const unsigned dq_b0 = base + OFF_K2 + (col0 / 64) * SLAB_K + (col0 % 64) * 2;
+  float dk[D2P / 2];
+#pragma unroll
+  for (int x = 0; x < D2P / 2; ++x) dk[x] = 0.f;
+  float dq[DQ_NR];
+  auto issue_dq = [&](int t) {  // dQ(t) from dS buffer t % 2, once both slabs are in
+    const int b = t & 1;
+    mbar_wait(ds_full + 8 * b, (t >> 1) & 1);
+    const unsigned long long da = smem_desc(base + OFF_DS + b * DS_BYTES);
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) {
+      const unsigned long long a_ = smem_desc_add(da, (kk / 4) * SLAB_Q + (kk % 4) * 32);
+      const unsigned long long b_ = smem_desc_mn(dq_b0 + kk * 2048, SLAB_K);
+      if constexpr (DQ_N == 64) {
+        if (kk == 0) wgmma_m64n64k16_tb<false>(dq, a_, b_); else wgmma_m64n64k16_tb<true>(dq, a_, b_);
+      } else {
+        if (kk == 0) wgmma_m64n32k16<false, 1>(dq, a_, b_); else wgmma_m64n32k16<true, 1>(dq, a_, b_);
+      }
+    }
+  };
+  auto add_dq = [&](int h, int q0) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int q = q0 + 16 * warp + lane / 4 + 8 * i;
+      if (q < p.nq) {
+        float* row = p.dq2 + (((long long)w.b * p.h + h) * p.nq + q) * p.d2;
+#pragma unroll
+        for (int j = 0; j < DQ_N / 8; ++j) {
+          const int col = col0 + 8 * j + 2 * (lane % 4);
+          if (col < p.d2) red_add2(row + col, dq[KL_IDX(j, i, 0)], dq[KL_IDX(j, i, 1)]);
+        }
+      }
+    }
+  };
+  if (w.iters > 0) mbar_wait(k_full, 0);
+  int prev_h = 0, prev_q0 = 0;
+  for (int it = 0; it < w.iters; ++it) {
+    const int stage = it % QSTAGES, h = w.hk * p.g2 + it / w.per_head, q0 = (w.mt0 + it % w.per_head) * BM;
+    const unsigned q2_tile = base + OFF_Q2 + stage * Q2_BYTES;
+    mbar_wait(full + 8 * stage, (it / QSTAGES) & 1);
+    float s1[NR], s2[NR];
+    unsigned a[BM / 4];
+    wgmma_fence();
+    gemm_kq<D1P>(s1, base + OFF_K1, base + OFF_Q1 + stage * Q1_BYTES, c);
+    gemm_kq<D2P>(s2, base + OFF_K2, q2_tile, c);
+    wgmma_commit();
+    if (it > 0) issue_dq(it - 1);
+    wgmma_commit();  // dQ(i - 1); empty on the first tile, so every tile waits on the same counts
+    wgmma_wait<1>();  // S(i) is done; dQ(i - 1) runs under the dS update
+    fence_regs<NR>(s1);
+    fence_regs<NR>(s2);
+    const float* rows =
+        reinterpret_cast<const float*>(__cvta_shared_to_generic(base + OFF_ROWS + stage * ROW_BYTES));
+    const bool masked = last_key >= p.nk || (p.causal && q0 + off < last_key);
+#pragma unroll
+    for (int j = 0; j < BM / 8; ++j) {
+      const int col = 8 * j + 2 * (lane % 4);
+      const float2 l1 = *reinterpret_cast<const float2*>(rows + col);
+      const float2 l2 = *reinterpret_cast<const float2*>(rows + BM + col);
+      const float2 g = *reinterpret_cast<const float2*>(rows + 2 * BM + col);
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const int x = KL_IDX(j, i, 0);
+        float d0 = g.x * (ex2(fmaf(p.c2, s2[x], -l2.x)) - ex2(fmaf(p.c1, s1[x], -l1.x)));
+        float d1 = g.y * (ex2(fmaf(p.c2, s2[x + 1], -l2.y)) - ex2(fmaf(p.c1, s1[x + 1], -l1.y)));
+        if (masked) {
+          d0 = key_ok[i] && q0 + col >= seen_from[i] ? d0 : 0.f;
+          d1 = key_ok[i] && q0 + col + 1 >= seen_from[i] ? d1 : 0.f;
+        }
+        a[4 * (j / 2) + 2 * (j % 2) + i] = pack2(d0, d1);
+      }
+    }
+    __syncwarp();
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < BM / 16; ++kk) {
+#pragma unroll
+      for (int ns = 0; ns < D2P / 64; ++ns)
+        wgmma_m64n64k16_rs_tb<true>(dk + 32 * ns, a + 4 * kk,
+                                    smem_desc_mn(q2_tile + ns * SLAB_Q + kk * 2048, SLAB_Q));
+    }
+    wgmma_commit();
+    const int b = it & 1;
+    mbar_wait(ds_empty + 8 * b, ((it >> 1) & 1) ^ 1);  // both dQ(i - 2) read this buffer
+    const unsigned ds = base + OFF_DS + b * DS_BYTES;
+#pragma unroll
+    for (int j = 0; j < BM / 8; ++j) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const unsigned v = a[4 * (j / 2) + 2 * (j % 2) + i];
+        const int kc = 16 * warp + lane / 4 + 8 * i;
+#pragma unroll
+        for (int k = 0; k < 2; ++k) {
+          const int q = 8 * j + 2 * (lane % 4) + k;
+          const unsigned addr = ds + c * SLAB_Q + q * 128 + ((((kc >> 3) ^ (q & 7)) << 4) | ((kc & 7) << 1));
+          sts16(addr, (unsigned short)(k ? v >> 16 : v & 0xFFFF));
+        }
+      }
+    }
+    fence_proxy_async();
+    mbar_arrive(ds_full + 8 * b);
+    wgmma_wait<1>();  // dQ(i - 1) is done; dK2(i) may run on
+    if (it > 0) {
+      fence_regs<DQ_NR>(dq);
+      if (tid == 0) mbar_arrive(ds_empty + 8 * ((it - 1) & 1));
+      add_dq(prev_h, prev_q0);
+    }
+    wgmma_wait<0>();
+    fence_regs<D2P / 2>(dk);
+    if (tid == 0) mbar_arrive(empty + 8 * stage);
+    prev_h = h, prev_q0 = q0;
+  }
+  if (w.iters > 0) {
+    wgmma_fence();
+    issue_dq(w.iters - 1);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs<DQ_NR>(dq);
+    add_dq(prev_h, prev_q0);
+  }
+"""
+
+
+def _consume_text(source: str) -> str:
+    """The shipped consumer loop: from its signature to the dk2 epilogue."""
+    return source[source.index("KL_DEV void consume(") : source.index("  // dk2 of the thread's two keys")]
+
+
+OFFSET = [
+    (
+        "constexpr unsigned SMEM_BYTES = OFF_BAR + 8 * (1 + 2 * QSTAGES) + 1024;",
+        "constexpr unsigned SMEM_BYTES = OFF_BAR + 8 * (1 + 2 * QSTAGES + 4) + 1024;",
+    ),
+    (
+        """      mbar_init(empty + 8 * s, NWG);
+    }
+""",
+        """      mbar_init(empty + 8 * s, NWG);
+    }
+    for (int b = 0; b < 2; ++b) {
+      mbar_init(empty + 8 * QSTAGES + 8 * b, 128 * NWG);  // ds_full[b]
+      mbar_init(empty + 8 * QSTAGES + 16 + 8 * b, NWG);  // ds_empty[b]
+    }
+""",
+    ),
+    (_consume_text, OFFSET_CONSUME),
+]
+
+
 VARIANTS = {
     "stmatrix": [STMATRIX_HELPER, STMATRIX_STORE],
     "split": SPLIT,
     "both": [STMATRIX_HELPER, STMATRIX_STORE, *SPLIT],
+    "offset": OFFSET,
+    "offset-stmatrix": [*OFFSET, STMATRIX_HELPER, STMATRIX_STORE],
 }
+EXTRA_BARRIER_BYTES = {"offset": 32, "offset-stmatrix": 32}  # the variant's shared memory beyond _bwd.smem_bytes
 
 
 def patched(source: str, patches) -> str:
     for anchor, replacement in patches:
+        if callable(anchor):
+            anchor = anchor(source)
         if source.count(anchor) != 1:
             raise RuntimeError(f"anchor found {source.count(anchor)} times:\n{anchor}")
         source = source.replace(anchor, replacement)
@@ -135,13 +314,20 @@ def compile_report(names):
             print(name, consts, f"regs {b.registers} spill {b.spill_bytes} stack {b.stack_bytes}", serial)
 
 
+_SMEM_BYTES = None  # the shipped _bwd.smem_bytes, kept by use() before it wraps it
+
+
 def use(name: str) -> None:
     """Makes the cuda backend's backward launch variant `name` ("shipped": the tree's source)."""
+    global _SMEM_BYTES
     from streamkl.backends.cuda import _bwd
 
+    _SMEM_BYTES = _SMEM_BYTES or _bwd.smem_bytes
     base = (_bwd._jit.KERNELS / _bwd.SOURCE_FILE).read_text()
     src = base if name == "shipped" else patched(base, VARIANTS[name])
     _bwd.source = lambda: src
+    extra = EXTRA_BARRIER_BYTES.get(name, 0)
+    _bwd.smem_bytes = lambda c: _SMEM_BYTES(c) + extra
     _bwd.kernel.cache_clear()
 
 
