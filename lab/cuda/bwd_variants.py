@@ -289,7 +289,8 @@ VARIANTS = {
     "offset": OFFSET,
     "offset-stmatrix": [*OFFSET, STMATRIX_HELPER, STMATRIX_STORE],
 }
-EXTRA_BARRIER_BYTES = {"offset": 32, "offset-stmatrix": 32}  # the variant's shared memory beyond _bwd.smem_bytes
+# shared memory a variant needs beyond _bwd.smem_bytes (the offset schedule's four mbarriers)
+EXTRA_BARRIER_BYTES = {"offset": 32, "offset-stmatrix": 32}
 
 
 def patched(source: str, patches) -> str:
