@@ -35,6 +35,10 @@ SMEM_LIMIT = 227 * 1024
 _PTR = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}
 _STATS = {"LSE", "LSE2", "COEF_A", "COEF_B", "GRAD_SCALE", "DCOEF_A", "DCOEF_B", "DGRAD_SCALE"}
 _STATS |= {"KL", "MASS", "DKI", "PART"}  # float32 statistics, dki, sparse dki shares
+# Strides of contiguous (B, heads, N, D) inputs and of w (B, G, Sq) that are multiples of 16 at
+# every shape below (N = 4096; D = 576, 192; Di = 128; G = 64, 8).
+_DIVISIBLE_STRIDES = {"sqb", "sqh", "sqn", "skb", "skh", "skn", "sib", "sig", "sin", "skib", "skin"}
+_DIVISIBLE_STRIDES |= {"swb", "swg"}
 
 # (name, dtype, H, H_kv, D, G, sparse)
 SHAPES = [
@@ -115,7 +119,16 @@ def compile_for_hopper(spec: Specialization):
         else:
             signature[name] = "i32"
     names = kernel.arg_names
-    aligned = [i for i, ty in enumerate(signature.values()) if ty.startswith("*")]
+    # What Triton's launcher specializes on the GPU: 16-byte aligned pointers and integer
+    # arguments divisible by 16 (every stride but W's rows of contiguous inputs at these shapes;
+    # the counts are do_not_specialize). Without these hints the tiles are not loaded in 16-byte
+    # vectors and the pipeliner leaves them synchronous, so the shared memory of the stages the
+    # H200 runs would go unchecked.
+    aligned = [
+        i
+        for i, (name, ty) in enumerate(signature.items())
+        if ty.startswith("*") or (ty == "i32" and name in _DIVISIBLE_STRIDES)
+    ]
     attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
     constants = {(names.index(k),): v for k, v in fixed.items() if k in names}
     source = ASTSource(kernel, signature, constants, attrs)
