@@ -16,6 +16,12 @@ Variants (each a list of (anchor, replacement) patches; every anchor must occur 
             hand each other their dS slabs through mbarriers instead of a named barrier, so
             neither waits for the other inside a tile.
   offset-stmatrix  both.
+  k1reg, k2reg     the consumer's 64 keys of K1 (K2) held as wgmma A fragments in registers from
+            the start (loaded once per CTA), so S1^T (S2^T) runs RS and reads only Q from shared
+            memory: an m64n64k16 SS GEMM reads 4 KB of shared memory per 32 tensor-core clocks,
+            about shared memory's 128 B/clock, so the four per-tile GEMMs, the dS stores and the
+            TMA writes contend for it. Both tiles at once spills 16 bytes at D1 = D2 = 128.
+  k1reg-offset, k2reg-offset  with the offset schedule.
 A variant that wins moves into kernels/kl_bwd.cu; its numbers go to lab/notes/cuda_backward_log.md.
 """
 
@@ -282,15 +288,78 @@ OFFSET = [
 ]
 
 
+# k1reg / k2reg: the consumer's 64 keys of K1 or K2 as wgmma A fragments in registers, loaded
+# once per CTA (ld.shared, the forward's load_qfrag addressing), so S1^T or S2^T runs RS: each
+# k-step reads only the 2 KB of its Q slice from shared memory instead of 4 KB (the m64n64 SS GEMMs
+# are near shared memory's 128 B/clock), at D / 4 more registers (32 at D = 128).
+KREG_HELPER = (
+    "KL_DEV void consume(",
+    """// The thread's A fragments of its consumer's 64 keys of a K tile (128-byte-swizzled 64-column
+// slabs of BN rows): per k-step kk, keys 16 warp + lane / 4 (+ 8), columns 16 kk + 2 (lane % 4) (+ 8).
+template <int DP>
+KL_DEV void load_kfrag(unsigned* a, unsigned k, int warp, int lane) {
+  const int g = lane / 4, r = 16 * warp + g;
+#pragma unroll
+  for (int kk = 0; kk < DP / 16; ++kk) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const unsigned off = (kk / 4) * SLAB_K + ((((2 * (kk % 4) + h) ^ g) << 4) | (4 * (lane % 4)));
+      a[4 * kk + 2 * h] = lds32(k + off + r * 128);
+      a[4 * kk + 2 * h + 1] = lds32(k + off + (r + 8) * 128);
+    }
+  }
+}
+
+// S^T (64 keys x 64 rows) = K_c Q^T with K_c's fragments in registers (wgmma RS); the consumer
+// index of gemm_kq is already in the fragments.
+template <int DP>
+KL_DEV void gemm_kq_rs(float* s, const unsigned* a, unsigned q_tile, int) {
+  const unsigned long long db = smem_desc(q_tile);
+#pragma unroll
+  for (int kk = 0; kk < DP / 16; ++kk) {
+    const unsigned long long b = smem_desc_add(db, (kk / 4) * SLAB_Q + (kk % 4) * 32);
+    if (kk == 0) wgmma_m64n64k16_rs<false>(s, a + 4 * kk, b); else wgmma_m64n64k16_rs<true>(s, a + 4 * kk, b);
+  }
+}
+
+KL_DEV void consume(""",
+)
+
+
+def _kreg(*tiles):
+    """K1 and/or K2 (tiles 1, 2) in registers; the other S GEMM stays SS."""
+    decl = ", ".join(f"ka{t}[D{t}P / 4]" for t in tiles)
+    loads = "".join(
+        f"  load_kfrag<D{t}P>(ka{t}, base + OFF_K{t} + c * 64 * 128, warp, lane);\n" for t in tiles
+    )
+    patches = [
+        KREG_HELPER,
+        (
+            "  if (w.iters > 0) mbar_wait(k_full, 0);\n",
+            "  if (w.iters > 0) mbar_wait(k_full, 0);\n"
+            f"  unsigned {decl};  // read only after the wait (no tile: never used)\n" + loads,
+        ),
+    ]
+    calls = [(f"gemm_kq<D{t}P>(s{t}, base + OFF_K{t}, ", f"gemm_kq_rs<D{t}P>(s{t}, ka{t}, ") for t in tiles]
+    return patches + calls
+
+
+K1REG, K2REG = _kreg(1), _kreg(2)  # both at once spills 16 bytes at D1 = D2 = 128
+
+
 VARIANTS = {
     "stmatrix": [STMATRIX_HELPER, STMATRIX_STORE],
     "split": SPLIT,
     "both": [STMATRIX_HELPER, STMATRIX_STORE, *SPLIT],
     "offset": OFFSET,
     "offset-stmatrix": [*OFFSET, STMATRIX_HELPER, STMATRIX_STORE],
+    "k1reg": K1REG,
+    "k2reg": K2REG,
+    "k1reg-offset": [*OFFSET, *K1REG],
+    "k2reg-offset": [*OFFSET, *K2REG],
 }
 # shared memory a variant needs beyond _bwd.smem_bytes (the offset schedule's four mbarriers)
-EXTRA_BARRIER_BYTES = {"offset": 32, "offset-stmatrix": 32}
+EXTRA_BARRIER_BYTES = {"offset": 32, "offset-stmatrix": 32, "k1reg-offset": 32, "k2reg-offset": 32}
 
 
 def patched(source: str, patches) -> str:
