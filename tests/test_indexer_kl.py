@@ -402,6 +402,44 @@ def test_gradcheck_of_the_training_step(reduction):
     assert torch.autograd.gradcheck(loss, (qi, ki, w))
 
 
+def test_the_step_hands_its_gradients_on_without_a_copy(monkeypatch):
+    """An eager training step's gradients are the tensors the backend formed, scaled in place: qi's
+    gradient is dqi's own storage, so a step holds one qi-sized gradient, not two."""
+    formed = {}
+    real = reference.forward_with_grads
+
+    def recording(spec, inputs, reduction):
+        stats, grads = real(spec, inputs, reduction)
+        formed["dqi"] = grads[0].data_ptr()
+        return stats, grads
+
+    monkeypatch.setattr(reference, "forward_with_grads", recording)
+    q, k, qi, ki, w = make_indexer_inputs(b=1, h=4, g=3, nq=9, nk=9, d=8, di=4, seed=3)
+    qi.requires_grad_(), ki.requires_grad_(), w.requires_grad_()
+    (2.5 * streamkl.indexer_kl(q, k, qi, ki, w, backend="reference")).backward()
+    assert qi.grad.data_ptr() == formed["dqi"]
+    expected = torch.autograd.grad(2.5 * streamkl.indexer_kl(q, k, qi, ki, w, reduction="none").mean(), qi)[0]
+    torch.testing.assert_close(qi.grad, expected, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_a_second_backward_through_the_step_recomputes(reduction):
+    """retain_graph=True: the first backward hands the formed gradients on; a second one through
+    the same graph, with another upstream gradient, recomputes them (the unfused backward) and
+    agrees with a fresh step's."""
+    q, k, qi, ki, w = make_indexer_inputs(b=2, h=4, hk=2, g=3, nq=7, nk=9, d=8, di=4, dtype=torch.float64,
+                                          seed=5)  # fmt: skip
+    call = dict(causal=True, topk=random_topk(2, 7, 9, 4, seed=5))
+    leaves = [t.requires_grad_() for t in (qi, ki, w)]
+    loss = streamkl.indexer_kl(q, k, *leaves, reduction=reduction, **call)
+    first = torch.autograd.grad(loss, leaves, torch.tensor(1.5, dtype=loss.dtype), retain_graph=True)
+    second = torch.autograd.grad(loss, leaves, torch.tensor(-3.0, dtype=loss.dtype))
+    fresh = torch.autograd.grad(streamkl.indexer_kl(q, k, *leaves, reduction=reduction, **call), leaves)
+    for a, b, c in zip(first, second, fresh):
+        torch.testing.assert_close(a, 1.5 * c, rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(b, -3.0 * c, rtol=1e-10, atol=1e-13)
+
+
 def test_the_teacher_gets_no_gradient():
     q, k, qi, ki, w = make_indexer_inputs(h=2, nq=5, nk=5, requires_grad=True)
     q.requires_grad_(), k.requires_grad_()

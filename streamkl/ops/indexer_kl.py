@@ -65,11 +65,26 @@ def _reduce(kl: Tensor, reduction: str, lse2: Tensor) -> Tensor:
 
 
 def _step(impl, spec: IndexerKLSpec, inputs: IndexerKLInputs, reduction: str):
-    """(loss, (dqi, dki, dw)): the reduced loss and the backend's gradients of it."""
+    """(loss, stats, (dqi, dki, dw)): the reduced loss, the forward's statistics and the backend's
+    gradients of the loss."""
     with on_device(inputs.q):
         stats, grads = impl.forward_with_grads(spec, inputs, reduction)
     loss = _reduce(stats.kl, reduction, stats.lse2)
-    return loss.to(_out_dtype(inputs.q, inputs.qi, inputs.w)), grads
+    return loss.to(_out_dtype(inputs.q, inputs.qi, inputs.w)), stats, grads
+
+
+def _scaled_in_place(grads, scale: Tensor, students) -> list:
+    """_scaled, writing each gradient that is in its input's dtype over itself (the same rounding):
+    the fused step's dqi is as large as qi, and a scaled copy would double it at the step's peak."""
+    out = []
+    with torch.no_grad():
+        for d, t in zip(grads, students):
+            if d is not None and d.dtype == t.dtype:
+                d = d.mul_(scale.to(torch.promote_types(d.dtype, torch.float32)))
+            elif d is not None:
+                d = _scaled((d,), scale, (t,))[0]
+            out.append(d)
+    return out
 
 
 def _scaled(grads, scale: Tensor, students) -> list:
@@ -205,7 +220,7 @@ def indexer_kl_step(
     spec = _checks.indexer_kl_spec(q, k, qi, ki, w, **call).with_needs(needs)
     _env.check_all()
     inputs = IndexerKLInputs(q, k, qi, ki, w, lse, topk, cu_seqlens)
-    loss, grads = _step(_dispatch.select(OP, spec, inputs, backend), spec, inputs, reduction)
+    loss, _, grads = _step(_dispatch.select(OP, spec, inputs, backend), spec, inputs, reduction)
     return loss, *(g if g is not None else t.new_empty(0) for g, t in zip(grads, (qi, ki, w)))
 
 
@@ -287,20 +302,33 @@ class _IndexerKL(torch.autograd.Function):
 class _IndexerKLStep(torch.autograd.Function):
     """indexer_kl_step without the dispatcher, for validated eager calls of a reduced loss that
     needs a gradient: the backend forms the loss's gradients in the forward; the backward scales
-    them by the upstream gradient."""
+    them by the upstream gradient in place and hands them to autograd, so the step holds one copy
+    of each. A second backward through the same graph (retain_graph=True) finds them handed on and
+    recomputes them with the backend's backward, as the unfused op does."""
 
     @staticmethod
     def forward(ctx, impl, spec, reduction, q, k, qi, ki, w, lse, topk, cu_seqlens):
         spec = spec.with_needs(ctx.needs_input_grad[5:8])
         inputs = IndexerKLInputs(q, k, qi, ki, w, lse, topk, cu_seqlens)
-        loss, grads = _step(impl, spec, inputs, reduction)
-        ctx.save_for_backward(*grads, qi, ki, w)
+        loss, stats, grads = _step(impl, spec, inputs, reduction)
+        ctx.save_for_backward(q, k, qi, ki, w, lse, topk, *stats)
+        ctx.cu_seqlens = cu_seqlens  # held, not saved (see _setup_context)
+        ctx.call = (impl, spec, reduction)
+        ctx.grads = list(grads)  # not saved tensors: the backward hands them on, once
         return loss
 
     @staticmethod
     def backward(ctx, grad):
-        dqi, dki, dw, qi, ki, w = ctx.saved_tensors
-        grads = _scaled((dqi, dki, dw), grad, (qi, ki, w))
+        q, k, qi, ki, w, lse, topk, *stats = ctx.saved_tensors
+        if ctx.grads is not None:
+            grads, ctx.grads = ctx.grads, None
+            grads = _scaled_in_place(grads, grad, (qi, ki, w))
+        else:
+            impl, spec, reduction = ctx.call
+            stats = IndexerKLStats(*stats)
+            rows = (grad * reduced_row_weight(stats.lse2, reduction)).expand(stats.kl.shape)
+            inputs = IndexerKLInputs(q, k, qi, ki, w, lse, topk, ctx.cu_seqlens)
+            grads = _backward(impl, spec, inputs, stats, rows)
         tied = once_differentiable(OP, tuple(grads), grad, qi, ki, w)
         return (None,) * 5 + (*tied, None, None, None)
 
