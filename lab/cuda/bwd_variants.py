@@ -211,16 +211,6 @@ OFFSET_CONSUME = r"""KL_DEV void consume(const BwdParams& p, const BwdWork& w, i
         a[4 * (j / 2) + 2 * (j % 2) + i] = pack2(d0, d1);
       }
     }
-    __syncwarp();
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < BM / 16; ++kk) {
-#pragma unroll
-      for (int ns = 0; ns < D2P / 64; ++ns)
-        wgmma_m64n64k16_rs_tb<true>(dk + 32 * ns, a + 4 * kk,
-                                    smem_desc_mn(q2_tile + ns * SLAB_Q + kk * 2048, SLAB_Q));
-    }
-    wgmma_commit();
     const int b = it & 1;
     mbar_wait(ds_empty + 8 * b, ((it >> 1) & 1) ^ 1);  // both dQ(i - 2) read this buffer
     const unsigned ds = base + OFF_DS + b * DS_BYTES;
@@ -240,6 +230,16 @@ OFFSET_CONSUME = r"""KL_DEV void consume(const BwdParams& p, const BwdWork& w, i
     }
     fence_proxy_async();
     mbar_arrive(ds_full + 8 * b);
+    __syncwarp();
+    wgmma_fence();  // dK2 reads the fragments a; nothing touches them until its wait
+#pragma unroll
+    for (int kk = 0; kk < BM / 16; ++kk) {
+#pragma unroll
+      for (int ns = 0; ns < D2P / 64; ++ns)
+        wgmma_m64n64k16_rs_tb<true>(dk + 32 * ns, a + 4 * kk,
+                                    smem_desc_mn(q2_tile + ns * SLAB_Q + kk * 2048, SLAB_Q));
+    }
+    wgmma_commit();
     wgmma_wait<1>();  // dQ(i - 1) is done; dK2(i) may run on
     if (it > 0) {
       fence_regs<DQ_NR>(dq);

@@ -10,7 +10,8 @@ Every path builds the call's spec once (streamkl._checks.attn_kl_spec) and hands
 to the backend. An eager call with plain tensors skips the dispatcher: an autograd.Function calls
 the backend directly, the same functions the ops call. A traced call validates at trace time
 (the fake) and resolves the backend name there (STREAMKL_BACKEND is read when the graph is
-built); the registered ops then take the name, so the backward never reads the environment.
+built); the registered ops then take the name, so the backward reads no backend name from the
+environment (the cuda backend's opt-in STREAMKL_CUDA_BWD is the one variable it reads then).
 Fakes depend only on shapes and dtypes, so a compiled graph is valid whatever backend runs.
 """
 

@@ -73,7 +73,7 @@ def declines(spec: AttnKLSpec, inputs: AttnKLInputs) -> str | None:
         return "the cuda backward runs setting 1 (gradients to q2 and k2 only)"
     if spec.packed:
         return "the cuda backward does not run packed sequences"
-    if spec.group1 % spec.group2:
+    if spec.heads_kv2 % spec.heads_kv1:  # g1 % g2 != 0, asked without dividing by H (may be 0)
         return "the cuda backward needs the teacher's GQA group to be a multiple of the student's"
     if spec.d2 % 2:
         return "the cuda backward needs an even D2"

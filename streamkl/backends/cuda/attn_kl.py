@@ -89,5 +89,9 @@ def backward_declines(spec: AttnKLSpec, inputs: AttnKLInputs) -> str | None:
 
 def backward(spec: AttnKLSpec, inputs: AttnKLInputs, stats, grad_kl):
     from ._bwd import backward as launch
+    from ._bwd import declines
 
+    reason = declines(spec, inputs)
+    if reason is not None:  # the dispatcher asked backward_declines and took triton's; a direct call
+        raise NotImplementedError(reason)
     return launch(spec, inputs, stats, grad_kl)

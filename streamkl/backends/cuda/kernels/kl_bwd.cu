@@ -15,10 +15,12 @@
 //   Warpgroups 1..NWG are consumers (setmaxnreg.inc to 240); consumer c owns keys
 //   [64 c, 64 c + 64) of the tile and per query tile:
 //     S1^T = K1_c Q1^T, S2^T = K2_c Q2^T      (64 keys x 64 rows, wgmma SS, both operands K-major)
-//     dS^T = G (P2 - P1), masked               (registers; the A operand of the next GEMM as is)
+//     dS^T = G (P2 - P1), masked               (registers; packed 16-bit, the A operand of dK2)
+//     dS -> shared memory (K-major, 16-bit, double-buffered), stored from the packed fragments
+//       before dK2 is issued (PTX leaves reading a wgmma's A registers in flight undefined)
 //     dK2_c += dS^T Q2                         (wgmma RS, Q2 MN-major: registers accumulate dk2)
-//     dS -> shared memory (K-major, 16-bit, double-buffered), a named barrier between the
-//       consumers, then dQ[:, its D2P / 2 columns] = dS K2[:, those columns] over all BN keys
+//     a named barrier between the consumers, then
+//       dQ[:, its D2P / 2 columns] = dS K2[:, those columns] over all BN keys
 //       (wgmma SS, K2 MN-major), added into the float32 dq2 buffer with red.global.add.v2.f32
 //       (rows < Nq, columns < D2).
 //   The steps run in this order, each waiting for the last (no wgmma in flight across the loop's
@@ -209,16 +211,6 @@ KL_DEV void consume(const BwdParams& p, const BwdWork& w, int c, int tid, unsign
           a[4 * kk + 2 * half + i] = pack2(s2[KL_IDX(2 * kk + half, i, 0)], s2[KL_IDX(2 * kk + half, i, 1)]);
       }
     }
-    __syncwarp();
-    wgmma_fence();
-    const unsigned q2_tile = base + OFF_Q2 + stage * Q2_BYTES;
-#pragma unroll
-    for (int kk = 0; kk < BM / 16; ++kk) {
-#pragma unroll
-      for (int ns = 0; ns < D2P / 64; ++ns)
-        wgmma_m64n64k16_rs_tb<true>(dk + 32 * ns, a + 4 * kk, smem_desc_mn(q2_tile + ns * SLAB_Q + kk * 2048, SLAB_Q));
-    }
-    wgmma_commit();
     // dS (rows x keys) into shared memory, K-major 128B-swizzled: row q, key column kc of slab c.
     const unsigned ds = base + OFF_DS + (it & 1) * DS_BYTES;  // dQ(i - 2) read it before the last barrier
 #pragma unroll
@@ -236,6 +228,16 @@ KL_DEV void consume(const BwdParams& p, const BwdWork& w, int c, int tid, unsign
       }
     }
     fence_proxy_async();
+    __syncwarp();
+    wgmma_fence();  // dK2 reads the fragments a; nothing touches them until its wait
+    const unsigned q2_tile = base + OFF_Q2 + stage * Q2_BYTES;
+#pragma unroll
+    for (int kk = 0; kk < BM / 16; ++kk) {
+#pragma unroll
+      for (int ns = 0; ns < D2P / 64; ++ns)
+        wgmma_m64n64k16_rs_tb<true>(dk + 32 * ns, a + 4 * kk, smem_desc_mn(q2_tile + ns * SLAB_Q + kk * 2048, SLAB_Q));
+    }
+    wgmma_commit();
     float dq[DQ_NR];
     bar_sync(1, 128 * NWG);  // every consumer's dS slab is written
     wgmma_fence();
