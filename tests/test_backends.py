@@ -47,13 +47,18 @@ def _dtypes(name: str, device: str) -> list[torch.dtype]:
 
 
 def _targets():
+    """(backend, device, dtypes, environment): the cuda backend twice, with triton's backward
+    (its default) and with its own (STREAMKL_CUDA_BWD=cuda, where that runs the call)."""
     devices = ["cpu"] + (["cuda"] if HAS_GPU else [])
     out = []
     for name, device in itertools.product(_dispatch.BACKENDS, devices):
         dtypes = _dtypes(name, device)
         if dtypes:
             marks = [pytest.mark.gpu] if device == "cuda" else []
-            out.append(pytest.param((name, device, dtypes), id=f"{name}-{device}", marks=marks))
+            out.append(pytest.param((name, device, dtypes, {}), id=f"{name}-{device}", marks=marks))
+            if name == "cuda":
+                own = (name, device, dtypes, {"STREAMKL_CUDA_BWD": "cuda"})
+                out.append(pytest.param(own, id=f"{name}-{device}-own-bwd", marks=marks))
     return out
 
 
@@ -61,8 +66,11 @@ TARGETS = _targets()
 
 
 @pytest.fixture(params=TARGETS)
-def target(request):
-    return request.param
+def target(request, monkeypatch):
+    name, device, dtypes, env = request.param
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    return name, device, dtypes
 
 
 def _views(b, h, n, d1, d2, dtype, device, kind, seed):
