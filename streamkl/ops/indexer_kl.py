@@ -287,16 +287,23 @@ class _IndexerKL(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        q, k, qi, ki, w, lse, topk, *stats = ctx.saved_tensors
-        stats = IndexerKLStats(*stats)
-        impl, spec, reduction = ctx.call
-        if reduction != "none":  # every row's KL enters the sum once
-            grad = (grad * reduced_row_weight(stats.lse2, reduction)).expand(stats.kl.shape)
-        spec = spec.with_needs(ctx.needs_input_grad[5:8])
-        inputs = IndexerKLInputs(q, k, qi, ki, w, lse, topk, ctx.cu_seqlens)
-        grads = _backward(impl, spec, inputs, stats, grad)
+        grads = _recomputed(ctx, grad)
+        qi, ki, w = ctx.saved_tensors[2:5]
         tied = once_differentiable(OP, tuple(grads), grad, qi, ki, w)
         return (None,) * 5 + (*tied, None, None, None)
+
+
+def _recomputed(ctx, grad: Tensor):
+    """The backward of _IndexerKL and _IndexerKLStep (which save the same tensors and call):
+    the backend's recompute backward for the upstream gradient `grad`."""
+    q, k, qi, ki, w, lse, topk, *stats = ctx.saved_tensors
+    stats = IndexerKLStats(*stats)
+    impl, spec, reduction = ctx.call
+    if reduction != "none":  # every row's KL enters the sum once
+        grad = (grad * reduced_row_weight(stats.lse2, reduction)).expand(stats.kl.shape)
+    spec = spec.with_needs(ctx.needs_input_grad[5:8])
+    inputs = IndexerKLInputs(q, k, qi, ki, w, lse, topk, ctx.cu_seqlens)
+    return _backward(impl, spec, inputs, stats, grad)
 
 
 class _IndexerKLStep(torch.autograd.Function):
@@ -319,16 +326,12 @@ class _IndexerKLStep(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        q, k, qi, ki, w, lse, topk, *stats = ctx.saved_tensors
+        qi, ki, w = ctx.saved_tensors[2:5]
         if ctx.grads is not None:
             grads, ctx.grads = ctx.grads, None
             grads = _scaled_in_place(grads, grad, (qi, ki, w))
         else:
-            impl, spec, reduction = ctx.call
-            stats = IndexerKLStats(*stats)
-            rows = (grad * reduced_row_weight(stats.lse2, reduction)).expand(stats.kl.shape)
-            inputs = IndexerKLInputs(q, k, qi, ki, w, lse, topk, ctx.cu_seqlens)
-            grads = _backward(impl, spec, inputs, stats, rows)
+            grads = _recomputed(ctx, grad)
         tied = once_differentiable(OP, tuple(grads), grad, qi, ki, w)
         return (None,) * 5 + (*tied, None, None, None)
 
