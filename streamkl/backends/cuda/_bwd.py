@@ -39,7 +39,7 @@ def smem_bytes(c: dict) -> int:
     q = c["QSTAGES"] * BM * (c["D1P"] + c["D2P"]) * 2
     ds = 2 * BM * BN * 2
     rows = c["QSTAGES"] * 3 * BM * 4
-    return k + q + ds + rows + 8 * (1 + 2 * c["QSTAGES"]) + 1024
+    return k + q + ds + rows + 8 * (1 + 2 * c["QSTAGES"] + 4) + 1024
 
 
 def shipped(d1p: int, d2p: int, fp16: bool) -> dict:

@@ -13,25 +13,28 @@
 //   QSTAGES-deep ring (TMA); its warps 2-3 (64 threads, one per row) write each tile's row terms
 //   L1, L2 (+inf for rows past Nq or that saw no key) and G = g s2 (0 there) into the stage.
 //   Warpgroups 1..NWG are consumers (setmaxnreg.inc to 240); consumer c owns keys
-//   [64 c, 64 c + 64) of the tile and per query tile:
-//     S1^T = K1_c Q1^T, S2^T = K2_c Q2^T      (64 keys x 64 rows, wgmma SS, both operands K-major)
+//   [64 c, 64 c + 64) of the tile, holds its 64 K1 rows as wgmma A fragments in registers (loaded
+//   once), and per query tile i:
+//     S1^T = K1_c Q1^T (wgmma RS), S2^T = K2_c Q2^T (SS)   (64 keys x 64 rows, K-major operands)
+//     dQ(i - 1) issued behind them, so it runs under this tile's dS update (below)
 //     dS^T = G (P2 - P1), masked               (registers; packed 16-bit, the A operand of dK2)
-//     dS -> shared memory (K-major, 16-bit, double-buffered), stored from the packed fragments
-//       before dK2 is issued (PTX leaves reading a wgmma's A registers in flight undefined)
+//     dS -> its 64-key slab of dS buffer i % 2 (K-major, 16-bit), once both consumers' dQ(i - 2)
+//       have read that buffer (ds_empty), then announced (ds_full: every writer thread arrives)
 //     dK2_c += dS^T Q2                         (wgmma RS, Q2 MN-major: registers accumulate dk2)
-//     a named barrier between the consumers, then
-//       dQ[:, its D2P / 2 columns] = dS K2[:, those columns] over all BN keys
-//       (wgmma SS, K2 MN-major), added into the float32 dq2 buffer with red.global.add.v2.f32
-//       (rows < Nq, columns < D2).
-//   The steps run in this order, each waiting for the last (no wgmma in flight across the loop's
-//   back edge); the other consumer's GEMMs are what runs under a consumer's dS update.
-//   After the last tile it writes its keys' dk2 rows (keys < Nk, columns < D2) in the inputs'
+//     dQ(i - 1) done: ds_empty released, its rows added into the float32 dq2 buffer with
+//       red.global.add.v2.f32 (rows < Nq, columns < D2); dK2 done: each warp releases the stage
+//   where dQ(i) = dS(i) K2[:, the consumer's D2P / 2 columns] over all BN keys (wgmma SS, K2
+//   MN-major) waits for both consumers' slabs of tile i. The consumers meet only through the dS
+//   buffers' barriers, never all at once, so one's GEMMs run under the other's exponentials; no
+//   wgmma is in flight across the loop's back edge, and dQ of the last tile runs after the loop.
+//   After it each consumer writes its keys' dk2 rows (keys < Nk, columns < D2) in the inputs'
 //   dtype; a CTA with no query tile writes zeros.
 // Tiles in shared memory, all 1024-byte-aligned slabs of 64 columns, 128-byte swizzled as TMA
 //   writes them: K1, K2 (BN x D1P, BN x D2P), QSTAGES stages of Q1, Q2 (BM x D1P, BM x D2P) and the
-//   row terms (3 x BM floats), two dS buffers (BM x BN, 16-bit). Barriers: k_full (count 1, tx),
-//   full[s] (count 1 + 64: the TMA thread's expect_tx and the 64 row-term writers), empty[s]
-//   (count NWG). The causal mask aligns bottom-right (mask.cuh).
+//   row terms (3 x BM floats), two dS buffers (BM x BN, 16-bit). Barriers (BwdBars): k_full
+//   (count 1, tx), full[s] (1 + 64: the TMA thread's expect_tx and the 64 row-term writers),
+//   empty[s] (4 NWG: every consumer warp, after its last read of the stage), ds_full[b] (128 NWG),
+//   ds_empty[b] (NWG). The causal mask aligns bottom-right (mask.cuh).
 // Reads q1, k1, q2, k2 (4-D tensor maps {D, N, heads, B}; query head h reads key heads h / g1,
 //   h / g2: the K1 head is one per CTA because g1 is a multiple of g2), lse1, lse2, grad ([B, H, Nq]
 //   float32); writes dq2 (adds into [B, H, Nq, D2] float32) and dk2 ([B, Hk2, Nk, D2]).
@@ -59,7 +62,8 @@ constexpr unsigned OFF_Q1 = OFF_K2 + K2_BYTES, OFF_Q2 = OFF_Q1 + QSTAGES * Q1_BY
 constexpr unsigned OFF_DS = OFF_Q2 + QSTAGES * Q2_BYTES;
 constexpr unsigned OFF_ROWS = OFF_DS + 2 * DS_BYTES;
 constexpr unsigned OFF_BAR = OFF_ROWS + QSTAGES * ROW_BYTES;
-constexpr unsigned SMEM_BYTES = OFF_BAR + 8 * (1 + 2 * QSTAGES) + 1024;  // + the base's alignment slack
+constexpr unsigned N_BARS = 1 + 2 * QSTAGES + 4;  // k_full, full[s], empty[s], ds_full[2], ds_empty[2]
+constexpr unsigned SMEM_BYTES = OFF_BAR + 8 * N_BARS + 1024;  // + the base's alignment slack
 static_assert(SMEM_BYTES <= 232448, "exceeds the 227 KB of shared memory of an sm_90 CTA");
 constexpr int REG_PROD = 24, REG_CONS = 240;
 static_assert(REG_PROD * 128 + REG_CONS * 128 * NWG <= THREADS * (65536 / THREADS / 8 * 8), "register budget");
@@ -78,6 +82,18 @@ struct BwdParams {
   float c1, c2, scale2;  // c_t = scale_t log2(e)
 };
 static_assert(sizeof(BwdParams) == 640, "BWD_PARAMS_BYTES in _bwd.py packs this layout");
+
+// The mbarriers' shared-memory addresses (8 bytes each; index s for a stage, b for a dS buffer).
+struct BwdBars {
+  unsigned k_full, full, empty, ds_full, ds_empty;
+};
+
+KL_DEV BwdBars bwd_bars(unsigned base) {
+  BwdBars r;
+  r.k_full = base + OFF_BAR, r.full = r.k_full + 8, r.empty = r.full + 8 * QSTAGES;
+  r.ds_full = r.empty + 8 * QSTAGES, r.ds_empty = r.ds_full + 16;
+  return r;
+}
 
 #define KL_IDX(j, i, k) ((j) * 4 + (i) * 2 + (k))
 #define KL_LOG2E 1.4426950408889634f
@@ -114,7 +130,8 @@ KL_DEV void gemm_kq(float* s, unsigned k_tile, unsigned q_tile, int c) {
 }
 
 KL_DEV void produce(const BwdParams& p, const BwdWork& w, int tid, unsigned base) {
-  const unsigned k_full = base + OFF_BAR, full = k_full + 8, empty = full + 8 * QSTAGES;
+  const BwdBars bars = bwd_bars(base);
+  const unsigned k_full = bars.k_full, full = bars.full, empty = bars.empty;
   if (w.iters == 0) return;  // no query tile: nothing to load (the consumers write zeros)
   if (tid == 0) {
     mbar_expect_tx(k_full, K1_BYTES + K2_BYTES);
@@ -152,11 +169,40 @@ KL_DEV void produce(const BwdParams& p, const BwdWork& w, int tid, unsigned base
   }
 }
 
+// The thread's A fragments of its consumer's 64 keys of a K tile (128-byte-swizzled 64-column
+// slabs of BN rows): per k-step kk, keys 16 warp + lane / 4 (+ 8), columns 16 kk + 2 (lane % 4) (+ 8).
+template <int DP>
+KL_DEV void load_kfrag(unsigned* a, unsigned k, int warp, int lane) {
+  const int g = lane / 4, r = 16 * warp + g;
+#pragma unroll
+  for (int kk = 0; kk < DP / 16; ++kk) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const unsigned off = (kk / 4) * SLAB_K + ((((2 * (kk % 4) + h) ^ g) << 4) | (4 * (lane % 4)));
+      a[4 * kk + 2 * h] = lds32(k + off + r * 128);
+      a[4 * kk + 2 * h + 1] = lds32(k + off + (r + 8) * 128);
+    }
+  }
+}
+
+// S^T (64 keys x 64 rows) = K_c Q^T with K_c's fragments in registers (wgmma RS).
+template <int DP>
+KL_DEV void gemm_kq_rs(float* s, const unsigned* a, unsigned q_tile) {
+  const unsigned long long db = smem_desc(q_tile);
+#pragma unroll
+  for (int kk = 0; kk < DP / 16; ++kk) {
+    const unsigned long long b = smem_desc_add(db, (kk / 4) * SLAB_Q + (kk % 4) * 32);
+    if (kk == 0) wgmma_m64n64k16_rs<false>(s, a + 4 * kk, b); else wgmma_m64n64k16_rs<true>(s, a + 4 * kk, b);
+  }
+}
+
 KL_DEV void consume(const BwdParams& p, const BwdWork& w, int c, int tid, unsigned base) {
-  const unsigned k_full = base + OFF_BAR, full = k_full + 8, empty = full + 8 * QSTAGES;
+  const BwdBars bars = bwd_bars(base);
+  const unsigned k_full = bars.k_full, full = bars.full, empty = bars.empty;
+  const unsigned ds_full = bars.ds_full, ds_empty = bars.ds_empty;
   const int warp = tid / 32, lane = tid % 32;
   const int off = causal_offset(p.nq, p.nk);
-  int key[2], seen_from[2];  // the thread's two keys; the first query row that sees each
+  int key[2], seen_from[2];
   bool key_ok[2];
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
@@ -164,55 +210,87 @@ KL_DEV void consume(const BwdParams& p, const BwdWork& w, int c, int tid, unsign
     key_ok[i] = key[i] < p.nk;
     seen_from[i] = p.causal ? key[i] - off : -2147483647;
   }
-  const int last_key = w.n0 + 64 * c + 63;  // this consumer's
+  const int last_key = w.n0 + 64 * c + 63;
+  const int col0 = c * DQ_N;
+  const unsigned dq_b0 = base + OFF_K2 + (col0 / 64) * SLAB_K + (col0 % 64) * 2;
   float dk[D2P / 2];
 #pragma unroll
   for (int x = 0; x < D2P / 2; ++x) dk[x] = 0.f;
-  if (w.iters > 0) mbar_wait(k_full, 0);
-  for (int it = 0; it < w.iters; ++it) {
-    const int stage = it % QSTAGES, h = w.hk * p.g2 + it / w.per_head, q0 = (w.mt0 + it % w.per_head) * BM;
-    mbar_wait(full + 8 * stage, (it / QSTAGES) & 1);
-    float s1[NR], s2[NR];
-    wgmma_fence();
-    gemm_kq<D1P>(s1, base + OFF_K1, base + OFF_Q1 + stage * Q1_BYTES, c);
-    gemm_kq<D2P>(s2, base + OFF_K2, base + OFF_Q2 + stage * Q2_BYTES, c);
-    wgmma_commit();
-    wgmma_wait<0>();
-    fence_regs<NR>(s1);
-    fence_regs<NR>(s2);
-    // dS^T = G (P2 - P1) over the tile (keys x rows), into s2; masked where a key is past Nk or
-    // the row does not see it (some element may be: the consumer's last key is past Nk, or its
-    // tile's first row does not see that key).
-    const float* rows = reinterpret_cast<const float*>(__cvta_shared_to_generic(base + OFF_ROWS + stage * ROW_BYTES));
-    const bool masked = last_key >= p.nk || (p.causal && q0 + off < last_key);
+  float dq[DQ_NR];
+  auto issue_dq = [&](int t) {  // dQ(t) from dS buffer t % 2, once both slabs are in
+    const int b = t & 1;
+    mbar_wait(ds_full + 8 * b, (t >> 1) & 1);
+    const unsigned long long da = smem_desc(base + OFF_DS + b * DS_BYTES);
 #pragma unroll
-    for (int j = 0; j < BM / 8; ++j) {
+    for (int kk = 0; kk < BN / 16; ++kk) {
+      const unsigned long long a_ = smem_desc_add(da, (kk / 4) * SLAB_Q + (kk % 4) * 32);
+      const unsigned long long b_ = smem_desc_mn(dq_b0 + kk * 2048, SLAB_K);
+      if constexpr (DQ_N == 64) {
+        if (kk == 0) wgmma_m64n64k16_tb<false>(dq, a_, b_); else wgmma_m64n64k16_tb<true>(dq, a_, b_);
+      } else {
+        if (kk == 0) wgmma_m64n32k16<false, 1>(dq, a_, b_); else wgmma_m64n32k16<true, 1>(dq, a_, b_);
+      }
+    }
+  };
+  auto add_dq = [&](int h, int q0) {
 #pragma unroll
-      for (int k = 0; k < 2; ++k) {
-        const int col = 8 * j + 2 * (lane % 4) + k;
-        const float l1 = rows[col], l2 = rows[BM + col], g = rows[2 * BM + col];
+    for (int i = 0; i < 2; ++i) {
+      const int q = q0 + 16 * warp + lane / 4 + 8 * i;
+      if (q < p.nq) {
+        float* row = p.dq2 + (((long long)w.b * p.h + h) * p.nq + q) * p.d2;
 #pragma unroll
-        for (int i = 0; i < 2; ++i) {
-          const int x = KL_IDX(j, i, k);
-          float d = g * (ex2(fmaf(p.c2, s2[x], -l2)) - ex2(fmaf(p.c1, s1[x], -l1)));
-          if (masked && !(key_ok[i] && q0 + col >= seen_from[i])) d = 0.f;
-          s2[x] = d;
+        for (int j = 0; j < DQ_N / 8; ++j) {
+          const int col = col0 + 8 * j + 2 * (lane % 4);
+          if (col < p.d2) red_add2(row + col, dq[KL_IDX(j, i, 0)], dq[KL_IDX(j, i, 1)]);
         }
       }
     }
-    // dS^T as wgmma's A fragments (keys x rows; k-step kk covers rows 16 kk .. 16 kk + 15).
+  };
+  unsigned ka1[D1P / 4];  // the consumer's K1 rows, the A operand of every S1 GEMM
+  if (w.iters > 0) {
+    mbar_wait(k_full, 0);
+    load_kfrag<D1P>(ka1, base + OFF_K1 + c * 64 * 128, warp, lane);
+  }
+  int prev_h = 0, prev_q0 = 0;
+  for (int it = 0; it < w.iters; ++it) {
+    const int stage = it % QSTAGES, h = w.hk * p.g2 + it / w.per_head, q0 = (w.mt0 + it % w.per_head) * BM;
+    const unsigned q2_tile = base + OFF_Q2 + stage * Q2_BYTES;
+    mbar_wait(full + 8 * stage, (it / QSTAGES) & 1);
+    float s1[NR], s2[NR];
     unsigned a[BM / 4];
+    wgmma_fence();
+    gemm_kq_rs<D1P>(s1, ka1, base + OFF_Q1 + stage * Q1_BYTES);
+    gemm_kq<D2P>(s2, base + OFF_K2, q2_tile, c);
+    wgmma_commit();
+    if (it > 0) issue_dq(it - 1);
+    wgmma_commit();  // dQ(i - 1); empty on the first tile, so every tile waits on the same counts
+    wgmma_wait<1>();  // S(i) is done; dQ(i - 1) runs under the dS update
+    fence_regs<NR>(s1);
+    fence_regs<NR>(s2);
+    const float* rows =
+        reinterpret_cast<const float*>(__cvta_shared_to_generic(base + OFF_ROWS + stage * ROW_BYTES));
+    const bool masked = last_key >= p.nk || (p.causal && q0 + off < last_key);
 #pragma unroll
-    for (int kk = 0; kk < BM / 16; ++kk) {
+    for (int j = 0; j < BM / 8; ++j) {
+      const int col = 8 * j + 2 * (lane % 4);
+      const float2 l1 = *reinterpret_cast<const float2*>(rows + col);
+      const float2 l2 = *reinterpret_cast<const float2*>(rows + BM + col);
+      const float2 g = *reinterpret_cast<const float2*>(rows + 2 * BM + col);
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-#pragma unroll
-        for (int i = 0; i < 2; ++i)
-          a[4 * kk + 2 * half + i] = pack2(s2[KL_IDX(2 * kk + half, i, 0)], s2[KL_IDX(2 * kk + half, i, 1)]);
+      for (int i = 0; i < 2; ++i) {
+        const int x = KL_IDX(j, i, 0);
+        float d0 = g.x * (ex2(fmaf(p.c2, s2[x], -l2.x)) - ex2(fmaf(p.c1, s1[x], -l1.x)));
+        float d1 = g.y * (ex2(fmaf(p.c2, s2[x + 1], -l2.y)) - ex2(fmaf(p.c1, s1[x + 1], -l1.y)));
+        if (masked) {
+          d0 = key_ok[i] && q0 + col >= seen_from[i] ? d0 : 0.f;
+          d1 = key_ok[i] && q0 + col + 1 >= seen_from[i] ? d1 : 0.f;
+        }
+        a[4 * (j / 2) + 2 * (j % 2) + i] = pack2(d0, d1);
       }
     }
-    // dS (rows x keys) into shared memory, K-major 128B-swizzled: row q, key column kc of slab c.
-    const unsigned ds = base + OFF_DS + (it & 1) * DS_BYTES;  // dQ(i - 2) read it before the last barrier
+    const int b = it & 1;
+    mbar_wait(ds_empty + 8 * b, ((it >> 1) & 1) ^ 1);  // both dQ(i - 2) read this buffer
+    const unsigned ds = base + OFF_DS + b * DS_BYTES;
 #pragma unroll
     for (int j = 0; j < BM / 8; ++j) {
 #pragma unroll
@@ -228,52 +306,36 @@ KL_DEV void consume(const BwdParams& p, const BwdWork& w, int c, int tid, unsign
       }
     }
     fence_proxy_async();
+    mbar_arrive(ds_full + 8 * b);
     __syncwarp();
     wgmma_fence();  // dK2 reads the fragments a; nothing touches them until its wait
-    const unsigned q2_tile = base + OFF_Q2 + stage * Q2_BYTES;
 #pragma unroll
     for (int kk = 0; kk < BM / 16; ++kk) {
 #pragma unroll
       for (int ns = 0; ns < D2P / 64; ++ns)
-        wgmma_m64n64k16_rs_tb<true>(dk + 32 * ns, a + 4 * kk, smem_desc_mn(q2_tile + ns * SLAB_Q + kk * 2048, SLAB_Q));
+        wgmma_m64n64k16_rs_tb<true>(dk + 32 * ns, a + 4 * kk,
+                                    smem_desc_mn(q2_tile + ns * SLAB_Q + kk * 2048, SLAB_Q));
     }
     wgmma_commit();
-    float dq[DQ_NR];
-    bar_sync(1, 128 * NWG);  // every consumer's dS slab is written
-    wgmma_fence();
-    {
-      const unsigned long long da = smem_desc(ds);
-      const int col0 = c * DQ_N;  // this consumer's first column of dq2
-      const unsigned b0 = base + OFF_K2 + (col0 / 64) * SLAB_K + (col0 % 64) * 2;
-#pragma unroll
-      for (int kk = 0; kk < BN / 16; ++kk) {
-        const unsigned long long a_ = smem_desc_add(da, (kk / 4) * SLAB_Q + (kk % 4) * 32);
-        const unsigned long long b_ = smem_desc_mn(b0 + kk * 2048, SLAB_K);
-        if constexpr (DQ_N == 64) {
-          if (kk == 0) wgmma_m64n64k16_tb<false>(dq, a_, b_); else wgmma_m64n64k16_tb<true>(dq, a_, b_);
-        } else {
-          if (kk == 0) wgmma_m64n32k16<false, 1>(dq, a_, b_); else wgmma_m64n32k16<true, 1>(dq, a_, b_);
-        }
-      }
+    wgmma_wait<1>();  // dQ(i - 1) is done; dK2(i) may run on
+    if (it > 0) {
+      fence_regs<DQ_NR>(dq);
+      if (tid == 0) mbar_arrive(ds_empty + 8 * ((it - 1) & 1));
+      add_dq(prev_h, prev_q0);
     }
-    wgmma_commit();
     wgmma_wait<0>();
     fence_regs<D2P / 2>(dk);
+    __syncwarp();  // the warp's reads of the stage's row terms precede its release
+    if (lane == 0) mbar_arrive(empty + 8 * stage);
+    prev_h = h, prev_q0 = q0;
+  }
+  if (w.iters > 0) {
+    wgmma_fence();
+    issue_dq(w.iters - 1);
+    wgmma_commit();
+    wgmma_wait<0>();
     fence_regs<DQ_NR>(dq);
-    if (tid == 0) mbar_arrive(empty + 8 * stage);
-    const int col0 = c * DQ_N;
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int q = q0 + 16 * warp + lane / 4 + 8 * i;
-      if (q < p.nq) {
-        float* row = p.dq2 + (((long long)w.b * p.h + h) * p.nq + q) * p.d2;
-#pragma unroll
-        for (int j = 0; j < DQ_N / 8; ++j) {
-          const int col = col0 + 8 * j + 2 * (lane % 4);
-          if (col < p.d2) red_add2(row + col, dq[KL_IDX(j, i, 0)], dq[KL_IDX(j, i, 1)]);
-        }
-      }
-    }
+    add_dq(prev_h, prev_q0);
   }
   // dk2 of the thread's two keys: columns 64 ns + 8 j + 2 (lane % 4) (+1) of accumulator ns.
 #pragma unroll
@@ -295,17 +357,21 @@ KL_DEV void consume(const BwdParams& p, const BwdWork& w, int c, int tid, unsign
 extern "C" __global__ void __launch_bounds__(THREADS, 1) kl_bwd(const __grid_constant__ BwdParams p) {
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const unsigned base = (smem_addr(smem_raw) + 1023u) & ~1023u;
-  const unsigned k_full = base + OFF_BAR, full = k_full + 8, empty = full + 8 * QSTAGES;
+  const BwdBars bars = bwd_bars(base);
   const BwdWork w = bwd_work(p);
   const int tid = threadIdx.x;
   unsigned dyn_smem;
   asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_smem));
   if (dyn_smem < SMEM_BYTES) __trap();  // the host's copy of SMEM_BYTES disagrees
   if (tid == 0) {
-    mbar_init(k_full, 1);
+    mbar_init(bars.k_full, 1);
     for (int s = 0; s < QSTAGES; ++s) {
-      mbar_init(full + 8 * s, 1 + 64);
-      mbar_init(empty + 8 * s, NWG);
+      mbar_init(bars.full + 8 * s, 1 + 64);
+      mbar_init(bars.empty + 8 * s, 4 * NWG);  // one arrival per consumer warp
+    }
+    for (int b = 0; b < 2; ++b) {
+      mbar_init(bars.ds_full + 8 * b, 128 * NWG);  // one per dS writer thread
+      mbar_init(bars.ds_empty + 8 * b, NWG);  // one per consumer, once its dQ has read the buffer
     }
     mbar_init_fence();
     tma_prefetch(&p.q1);
