@@ -186,13 +186,27 @@ def _attention_cudnn() -> Provider:
     def fwd(case):
         return lambda q1, k1, q2, k2: sdpa_trick.attention(q1, k1, k1, case.causal, case.d1**-0.5, "cudnn")[0]
 
+    def train(case):
+        def step(q1, k1, q2, k2, g):
+            # one cuDNN attention forward+backward on the student's (q2, k2, k2): the upstream
+            # gradient of the output is g broadcast over the head dim (one elementwise op more)
+            q2, k2 = q2.detach().requires_grad_(), k2.detach().requires_grad_()
+            out = sdpa_trick.attention(q2, k2, k2, case.causal, case.d2**-0.5, "cudnn")[0]
+            grad_out = g.unsqueeze(-1).to(out.dtype).expand_as(out).contiguous()
+            return out.detach(), *torch.autograd.grad(out, (q2, k2), grad_out)
+
+        return step
+
     def why_not(case, inputs):
         if case.d1 != case.d2 or (case.hk1 or case.h) != case.h:
             return "the yardstick runs where D1 == D2 and without GQA"
         return sdpa_trick.unsupported(*inputs, case.causal, "cudnn")
 
-    what = "one cuDNN attention forward of q1, k1 (V = k1): a yardstick, not a KL"
-    return Provider("attention-cudnn", "yardstick", what, fwd, None, why_not)
+    what = (
+        "one cuDNN attention forward of q1, k1 (V = k1); train: one cuDNN attention forward+backward "
+        "of q2, k2 (V = k2), gradients to q2 and k2: a yardstick, not a KL"
+    )
+    return Provider("attention-cudnn", "yardstick", what, fwd, train, why_not)
 
 
 def _fla_fused_kl() -> Provider:

@@ -73,11 +73,11 @@ def triton_bwd() -> str:
 
 
 def cuda_bwd() -> str:
-    """STREAMKL_CUDA_BWD: triton (default: the cuda backend's forward takes triton's backward,
-    measured faster) | cuda (its own backward, kernels/kl_bwd.cu, on the calls it runs)."""
-    value = _read("STREAMKL_CUDA_BWD", "triton")
+    """STREAMKL_CUDA_BWD: cuda (default: the cuda backend's own backward, kernels/kl_bwd.cu, on the
+    calls it runs, measured faster; triton's on the rest) | triton (triton's backward on every call)."""
+    value = _read("STREAMKL_CUDA_BWD", "cuda")
     if value not in ("triton", "cuda"):
-        raise ValueError(f"STREAMKL_CUDA_BWD must be triton or cuda, got {value!r}")
+        raise ValueError(f"STREAMKL_CUDA_BWD must be cuda or triton, got {value!r}")
     return value
 
 

@@ -47,8 +47,8 @@ def _dtypes(name: str, device: str) -> list[torch.dtype]:
 
 
 def _targets():
-    """(backend, device, dtypes, environment): the cuda backend twice, with triton's backward
-    (its default) and with its own (STREAMKL_CUDA_BWD=cuda, where that runs the call)."""
+    """(backend, device, dtypes, environment): the cuda backend twice, with its own backward (the
+    default, where it runs the call) and with triton's on every call (STREAMKL_CUDA_BWD=triton)."""
     devices = ["cpu"] + (["cuda"] if HAS_GPU else [])
     out = []
     for name, device in itertools.product(_dispatch.BACKENDS, devices):
@@ -57,8 +57,8 @@ def _targets():
             marks = [pytest.mark.gpu] if device == "cuda" else []
             out.append(pytest.param((name, device, dtypes, {}), id=f"{name}-{device}", marks=marks))
             if name == "cuda":
-                own = (name, device, dtypes, {"STREAMKL_CUDA_BWD": "cuda"})
-                out.append(pytest.param(own, id=f"{name}-{device}-own-bwd", marks=marks))
+                other = (name, device, dtypes, {"STREAMKL_CUDA_BWD": "triton"})
+                out.append(pytest.param(other, id=f"{name}-{device}-triton-bwd", marks=marks))
     return out
 
 

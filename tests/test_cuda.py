@@ -76,12 +76,15 @@ def test_backward_kernels_compile_within_budget(consts):
 
 
 def test_backward_declines_what_it_does_not_run(monkeypatch):
-    """The cuda backward runs under STREAMKL_CUDA_BWD=cuda, on setting 1 of dense inputs whose
-    teacher GQA group is a multiple of the student's; the rest goes to triton's (backward_of)."""
+    """The cuda backward runs by default (STREAMKL_CUDA_BWD=triton turns it off), on setting 1 of
+    dense inputs whose teacher GQA group is a multiple of the student's; the rest goes to triton's
+    (backward_of)."""
     q = torch.empty(1, 4, 8, 64, dtype=torch.bfloat16)
     spec, inputs = _spec((q, q, q, q))
     monkeypatch.delenv("STREAMKL_CUDA_BWD", raising=False)
-    assert "STREAMKL_CUDA_BWD=cuda" in backend.backward_declines(spec.with_needs(_bwd.SETTING1), inputs)
+    assert backend.backward_declines(spec.with_needs(_bwd.SETTING1), inputs) is None
+    monkeypatch.setenv("STREAMKL_CUDA_BWD", "triton")
+    assert "STREAMKL_CUDA_BWD=triton" in backend.backward_declines(spec.with_needs(_bwd.SETTING1), inputs)
     monkeypatch.setenv("STREAMKL_CUDA_BWD", "fast")
     with pytest.raises(ValueError, match="STREAMKL_CUDA_BWD"):
         backend.backward_declines(spec.with_needs(_bwd.SETTING1), inputs)

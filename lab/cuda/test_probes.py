@@ -29,8 +29,16 @@ def _source(module: str) -> str:
         ("tma_reduce", "dq_reduce", {"IN_FLIGHT": 4}),
         ("mix_bound", "mix_bound", {"DP": 128}),
         ("mix_bound", "mix_bound", {"DP": 64}),
+        ("racecheck_probe", "handoff", {"MODE": 0}),
+        ("racecheck_probe", "handoff", {"MODE": 1}),
     ],
-    ids=["tma_reduce", "mix_bound-d128", "mix_bound-d64"],
+    ids=[
+        "tma_reduce",
+        "mix_bound-d128",
+        "mix_bound-d64",
+        "racecheck_probe-mbarrier",
+        "racecheck_probe-syncthreads",
+    ],
 )
 def test_probe_kernels_compile_cleanly(module, entry, consts):
     build = _jit.compile_kernel(_source(module), entry, consts)

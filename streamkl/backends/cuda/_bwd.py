@@ -64,11 +64,11 @@ def build(consts: dict) -> _jit.Build:
 
 
 def declines(spec: AttnKLSpec, inputs: AttnKLInputs) -> str | None:
-    """Why this kernel does not run a backward the forward's `supports` admitted, or None. It runs
-    only where STREAMKL_CUDA_BWD=cuda asks: on the H200 it runs at 0.86-0.91x the triton backward's
-    speed (docs/cuda.md, "The backward")."""
-    if _env.cuda_bwd() != "cuda":
-        return "the cuda backward runs only under STREAMKL_CUDA_BWD=cuda (triton's is measured faster)"
+    """Why this kernel does not run a backward the forward's `supports` admitted, or None (the
+    triton backward then runs it). Where it runs, it is measured faster than triton's on the H200
+    (docs/cuda.md, "The backward"); STREAMKL_CUDA_BWD=triton asks for triton's everywhere."""
+    if _env.cuda_bwd() == "triton":
+        return "STREAMKL_CUDA_BWD=triton asks for the triton backward"
     if spec.needs != SETTING1:
         return "the cuda backward runs setting 1 (gradients to q2 and k2 only)"
     if spec.packed:
