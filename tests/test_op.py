@@ -192,21 +192,24 @@ def test_double_backward_is_refused_by_name(path):
 
 
 def test_auto_passes_by_a_backend_where_it_declines(monkeypatch):
-    """cuda declines decode shapes (few query rows) with a head dim over 64, where triton is
-    measured faster: auto takes triton there and cuda elsewhere; named, cuda runs both."""
+    """auto takes the first backend in order that supports the inputs and does not decline them
+    in its auto_declines (the cuda backend declines nothing today: set here to decline decode
+    shapes); a backend named explicitly runs what its auto_declines passes by."""
     from streamkl import _dispatch
 
     cuda, triton = (_dispatch.implementation(name, "attn_kl") for name in ("cuda", "triton"))
     monkeypatch.setattr(cuda, "supports", lambda *args, **kwargs: None)
     monkeypatch.setattr(triton, "supports", lambda *args, **kwargs: None)
-    rows = cuda.AUTO_MIN_QUERY_ROWS
-    decode, prefill = make_inputs(h=2, nq=rows, nk=64, d2=128), make_inputs(h=2, nq=rows + 1, nk=64, d2=128)
-    decode64 = make_inputs(h=2, nq=rows, nk=64, d1=64, d2=64)
-    for tensors, auto in ((decode, triton), (prefill, cuda), (decode64, cuda)):
+    decode, prefill = make_inputs(h=2, nq=16, nk=64, d2=128), make_inputs(h=2, nq=17, nk=64, d2=128)
+    for tensors in (decode, prefill):
         spec = _checks.attn_kl_spec(*tensors, causal=False, scale1=None, scale2=None)
         inputs = AttnKLInputs(*tensors)
-        assert (cuda.auto_declines(spec, inputs) is None) == (auto is cuda)
-        assert triton.auto_declines(spec, inputs) is None
+        assert cuda.auto_declines(spec, inputs) is None and triton.auto_declines(spec, inputs) is None
+        assert _dispatch.first_for_auto("attn_kl", spec, inputs) is cuda
+    monkeypatch.setattr(cuda, "auto_declines", lambda spec, inputs: "slower" if spec.nq <= 16 else None)
+    for tensors, auto in ((decode, triton), (prefill, cuda)):
+        spec = _checks.attn_kl_spec(*tensors, causal=False, scale1=None, scale2=None)
+        inputs = AttnKLInputs(*tensors)
         assert _dispatch.first_for_auto("attn_kl", spec, inputs) is auto
         assert _dispatch.select("attn_kl", spec, inputs, "cuda") is cuda
 

@@ -5,16 +5,13 @@ triton backward (interleaved rounds, bf16 GEMM yardstick in the same run).
     python lab/cuda/bwd_variants.py --compile-only          # here: every variant's ptxas report
     PYTHONPATH=. python lab/cuda/bwd_variants.py --out $OUT/variants.json [--variants a,b]
 
-Variants (each a list of (anchor, replacement) patches; every anchor must occur exactly once):
-  arrive-each  every consumer thread releases the stage (empty[s] counts 128 NWG arrivals), not
-            one lane per warp after __syncwarp: each thread's own reads of the row terms then
-            precede its own release, the form compute-sanitizer's racecheck follows.
+Variants: each a list of (anchor, replacement) patches; every anchor must occur exactly once.
 Ablations (timing only, wrong results by design; what a stage costs is the difference):
   no-red    the dq adds are never issued (the dQ GEMM still runs and its result stays live).
   no-exp    dS = G (c2 S2 - L2 - c1 S1 + L1): no exponential (the MUFU's share).
   no-dsstore  dS never reaches shared memory (dQ reads whatever the buffer holds).
-The schedules measured before (stmatrix, split, the named-barrier dQ, offset, k1reg, k2reg) are
-in lab/notes/cuda_backward_log.md with their numbers; offset + k1reg ships.
+The schedules measured before (stmatrix, split, the named-barrier dQ, offset, k1reg, k2reg, one
+lane per warp releasing the stage) are in lab/notes/cuda_backward_log.md with their numbers.
 A variant that wins moves into kernels/kl_bwd.cu; its numbers go to lab/notes/cuda_backward_log.md.
 """
 
@@ -24,20 +21,6 @@ import argparse
 import functools
 import json
 import os
-
-ARRIVE_EACH = [
-    (
-        """    __syncwarp();  // the warp's reads of the stage's row terms precede its release
-    if (lane == 0) mbar_arrive(empty + 8 * stage);
-""",
-        """    mbar_arrive(empty + 8 * stage);
-""",
-    ),
-    (
-        "mbar_init(bars.empty + 8 * s, 4 * NWG);",
-        "mbar_init(bars.empty + 8 * s, 128 * NWG);",
-    ),
-]
 
 NO_RED = [
     (
@@ -64,7 +47,7 @@ NO_DSSTORE = [
     )
 ]
 
-VARIANTS = {"arrive-each": ARRIVE_EACH, "no-red": NO_RED, "no-exp": NO_EXP, "no-dsstore": NO_DSSTORE}
+VARIANTS = {"no-red": NO_RED, "no-exp": NO_EXP, "no-dsstore": NO_DSSTORE}
 ABLATIONS = {"no-red", "no-exp", "no-dsstore"}  # timed, never checked
 EXTRA_BARRIER_BYTES: dict[str, int] = {}  # shared memory a variant needs beyond _bwd.smem_bytes
 

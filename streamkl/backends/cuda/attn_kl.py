@@ -14,11 +14,6 @@ from ..._spec import AttnKLInputs, AttnKLSpec
 
 op = "attn_kl"
 backward_backend = "triton"  # for the backwards kernels/kl_bwd.cu does not run
-# At this many query rows or fewer (decode), where a head dim is over 64, triton's split-K reads
-# the keys 1-6% faster (docs/cuda.md, Dispatch); where both are at most 64, and from 32 rows on
-# everywhere, this kernel is faster.
-AUTO_MIN_QUERY_ROWS = 16
-
 _DTYPES = (torch.bfloat16, torch.float16)
 _MAX_GRID_YZ = 65535  # grid z holds the batch times the splits; heads keep the same bound
 
@@ -70,8 +65,9 @@ def supports(spec: AttnKLSpec, inputs: AttnKLInputs) -> str | None:
 
 
 def auto_declines(spec: AttnKLSpec, inputs: AttnKLInputs) -> str | None:
-    if not spec.packed and spec.nq <= AUTO_MIN_QUERY_ROWS and max(spec.d1, spec.d2) > 64:
-        return f"at {AUTO_MIN_QUERY_ROWS} query rows or fewer, a head dim over 64: triton is measured faster"
+    # auto takes this backend wherever it runs. At 16 query rows or fewer with a head dim over 64
+    # triton's split-K forward is 5-8% faster, but this backend's training step is 1.5-1.6x
+    # triton's there (its own backward; docs/cuda.md, Dispatch), and distillation trains.
     return None
 
 

@@ -22,7 +22,8 @@
 //       have read that buffer (ds_empty), then announced (ds_full: every writer thread arrives)
 //     dK2_c += dS^T Q2                         (wgmma RS, Q2 MN-major: registers accumulate dk2)
 //     dQ(i - 1) done: ds_empty released, its rows added into the float32 dq2 buffer with
-//       red.global.add.v2.f32 (rows < Nq, columns < D2); dK2 done: each warp releases the stage
+//       red.global.add.v2.f32 (rows < Nq, columns < D2); dK2 done: every consumer thread releases
+//       the stage (an mbarrier arrive releases only its own thread's reads of the row terms)
 //   where dQ(i) = dS(i) K2[:, the consumer's D2P / 2 columns] over all BN keys (wgmma SS, K2
 //   MN-major) waits for both consumers' slabs of tile i. The consumers meet only through the dS
 //   buffers' barriers, never all at once, so one's GEMMs run under the other's exponentials; no
@@ -33,7 +34,7 @@
 //   writes them: K1, K2 (BN x D1P, BN x D2P), QSTAGES stages of Q1, Q2 (BM x D1P, BM x D2P) and the
 //   row terms (3 x BM floats), two dS buffers (BM x BN, 16-bit). Barriers (BwdBars): k_full
 //   (count 1, tx), full[s] (1 + 64: the TMA thread's expect_tx and the 64 row-term writers),
-//   empty[s] (4 NWG: every consumer warp, after its last read of the stage), ds_full[b] (128 NWG),
+//   empty[s] (128 NWG: every consumer thread, after its last read of the stage), ds_full[b] (128 NWG),
 //   ds_empty[b] (NWG). The causal mask aligns bottom-right (mask.cuh).
 // Reads q1, k1, q2, k2 (4-D tensor maps {D, N, heads, B}; query head h reads key heads h / g1,
 //   h / g2: the K1 head is one per CTA because g1 is a multiple of g2), lse1, lse2, grad ([B, H, Nq]
@@ -325,8 +326,7 @@ KL_DEV void consume(const BwdParams& p, const BwdWork& w, int c, int tid, unsign
     }
     wgmma_wait<0>();
     fence_regs<D2P / 2>(dk);
-    __syncwarp();  // the warp's reads of the stage's row terms precede its release
-    if (lane == 0) mbar_arrive(empty + 8 * stage);
+    mbar_arrive(empty + 8 * stage);  // every thread: each releases its own reads of the row terms
     prev_h = h, prev_q0 = q0;
   }
   if (w.iters > 0) {
@@ -367,7 +367,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kl_bwd(const __grid_con
     mbar_init(bars.k_full, 1);
     for (int s = 0; s < QSTAGES; ++s) {
       mbar_init(bars.full + 8 * s, 1 + 64);
-      mbar_init(bars.empty + 8 * s, 4 * NWG);  // one arrival per consumer warp
+      mbar_init(bars.empty + 8 * s, 128 * NWG);  // every consumer thread
     }
     for (int b = 0; b < 2; ++b) {
       mbar_init(bars.ds_full + 8 * b, 128 * NWG);  // one per dS writer thread
