@@ -11,7 +11,7 @@ to the backend. An eager call with plain tensors skips the dispatcher: an autogr
 the backend directly, the same functions the ops call. A traced call validates at trace time
 (the fake) and resolves the backend name there (STREAMKL_BACKEND is read when the graph is
 built); the registered ops then take the name, so the backward reads no backend name from the
-environment (the cuda backend's opt-in STREAMKL_CUDA_BWD is the one variable it reads then).
+environment (the cuda backend's STREAMKL_CUDA_BWD is the one variable it reads then).
 Fakes depend only on shapes and dtypes, so a compiled graph is valid whatever backend runs.
 """
 
