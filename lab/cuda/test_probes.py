@@ -61,6 +61,6 @@ def test_backward_variants_apply_and_compile_cleanly(name):
 
     variants = _variants()
     source = variants.patched(_bwd.source(), variants.VARIANTS[name])
-    build = _jit.compile_kernel(source, _bwd.ENTRY, _bwd.shipped(128, 128, False))
+    build = _jit.compile_kernel(source, _bwd.ENTRY, variants.instantiation(name, 128, 128, False))
     assert build.spill_bytes == 0 and build.stack_bytes == 0, build.log
     assert "serialized" not in build.log and "warning" not in build.log.lower(), build.log

@@ -99,6 +99,11 @@ def kernel(consts_items: tuple, device_index: int):
     return handle, smem
 
 
+def launch_grid(spec: AttnKLSpec) -> tuple[int, int, int]:
+    """One CTA per key tile of BN keys, per student key head and batch (kl_bwd.cu's grid)."""
+    return (-(-spec.nk // BN), spec.heads_kv2, spec.batch)
+
+
 def backward(spec: AttnKLSpec, inputs: AttnKLInputs, stats: AttnKLStats, grad_kl: torch.Tensor):
     """(None, None, dq2, dk2) of setting 1 (declines() is None), contiguous in q2's and k2's dtype."""
     q1, k1, q2, k2, _ = inputs
@@ -140,7 +145,7 @@ def backward(spec: AttnKLSpec, inputs: AttnKLInputs, stats: AttnKLStats, grad_kl
     from cuda.bindings import driver
 
     stream = driver.CUstream(torch._C._cuda_getCurrentRawStream(index))
-    grid = (-(-spec.nk // BN), spec.heads_kv2, spec.batch)
+    grid = launch_grid(spec)
     (err,) = driver.cuLaunchKernel(handle, *grid, THREADS, 1, 1, smem, stream, ctypes.addressof(argv), 0)
     if int(err) != 0:
         raise RuntimeError(f"cuLaunchKernel of {ENTRY} {consts} failed: {err!r}")
