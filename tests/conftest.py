@@ -33,5 +33,6 @@ def _clean_backend_env(monkeypatch):
         "STREAMKL_REFERENCE_CHUNK",
         "STREAMKL_TRITON_SPLIT_K",
         "STREAMKL_TRITON_BWD",
+        "STREAMKL_CUDA_BWD",
     ):
         monkeypatch.delenv(name, raising=False)

@@ -509,8 +509,9 @@ def test_side_stream_and_no_host_sync():
 
 @pytest.fixture
 def cuda_backward(monkeypatch):
-    """The cuda backend's own backward where it runs the call (STREAMKL_CUDA_BWD=cuda)."""
-    monkeypatch.setenv("STREAMKL_CUDA_BWD", "cuda")
+    """The cuda backend's own backward where it runs the call: the default (STREAMKL_CUDA_BWD
+    unset; conftest clears it for every test, and this states it for these)."""
+    monkeypatch.delenv("STREAMKL_CUDA_BWD", raising=False)
 
 
 def _check_backward(inputs, causal, scale1=None, scale2=None):
@@ -575,8 +576,8 @@ def test_backward_decode_shapes(nq, nk, cuda_backward):
 @gpu
 @sm90
 def test_op_runs_the_cuda_backward_for_setting_1(cuda_backward, monkeypatch):
-    """Through the op, eager and compiled, under STREAMKL_CUDA_BWD=cuda: gradients to q2 and k2
-    only take the cuda backward (each call launches it once) and match the float64 oracle."""
+    """Through the op, eager and compiled, by default: gradients to q2 and k2 only take the cuda
+    backward (each call launches it once) and match the float64 oracle."""
     inputs = make_inputs(b=1, h=4, hk2=2, hk1=2, nq=333, nk=500, d1=64, d2=128, dtype=torch.bfloat16,
                          device="cuda", layout="bnhd", seed=4)  # fmt: skip
     q1, k1, q2, k2 = inputs

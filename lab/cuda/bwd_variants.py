@@ -293,8 +293,8 @@ constexpr unsigned OFF_K1 = 0, OFF_K2 = OFF_K1 + K1_BYTES;  // + ks K_STAGE for 
 constexpr unsigned OFF_Q1 = KSTAGES * K_STAGE,""",
     ),
     (
-        "constexpr unsigned N_BARS = 1 + 2 * QSTAGES + 4;",
-        "constexpr unsigned N_BARS = 2 * KSTAGES + 2 * QSTAGES + 4;",
+        "constexpr unsigned N_BARS = 1 + 2 * QSTAGES + 4;  // k_full,",
+        "constexpr unsigned N_BARS = 2 * KSTAGES + 2 * QSTAGES + 4;  // k_full[ks], k_empty[ks],",
     ),
     (
         _between("struct BwdBars {", "#define KL_IDX"),
@@ -443,7 +443,10 @@ def run(names, out, timing=True):
 
     res = {"check": [], "timing": []}
     shapes = [(2, 4, 1, 2, 200, 333, 128, 64, True), (1, 3, 3, 3, 513, 513, 40, 128, True),
-              (1, 4, 2, 4, 77, 1000, 96, 128, False), (1, 8, 8, 8, 2048, 2048, 128, 128, True)]  # fmt: skip
+              (1, 4, 2, 4, 77, 1000, 96, 128, False), (1, 8, 8, 8, 2048, 2048, 128, 128, True),
+              # the persistent grid walks several key tiles a CTA on these (4 CTAs a head at 32 heads)
+              (1, 32, 32, 32, 1, 131072, 128, 128, True),
+              (1, 32, 16, 32, 1000, 3000, 128, 128, True)]  # fmt: skip
     for shape in shapes:
         spec, inputs, stats, grad = case(*shape)
         q64 = [t.double().requires_grad_(i >= 2) for i, t in enumerate(inputs[:4])]

@@ -66,7 +66,7 @@ def supports(spec: AttnKLSpec, inputs: AttnKLInputs) -> str | None:
 
 def auto_declines(spec: AttnKLSpec, inputs: AttnKLInputs) -> str | None:
     # auto takes this backend wherever it runs. At 16 query rows or fewer with a head dim over 64
-    # triton's split-K forward is 5-8% faster, but this backend's training step is 1.5-1.6x
+    # triton's split-K forward is 5-9% faster, but this backend's training step is 1.3-1.6x
     # triton's there (its own backward; docs/cuda.md, Dispatch), and distillation trains.
     return None
 

@@ -321,6 +321,8 @@ KL_DEV void consume(const BwdParams& p, const BwdWork& w, int c, int tid, unsign
     wgmma_wait<1>();  // dQ(i - 1) is done; dK2(i) may run on
     if (it > 0) {
       fence_regs<DQ_NR>(dq);
+      // one thread: dQ's reads of the buffer are the wgmma's (async proxy), complete for the whole
+      // warpgroup once wait_group returns; this thread releases no plain loads of it
       if (tid == 0) mbar_arrive(ds_empty + 8 * ((it - 1) & 1));
       add_dq(prev_h, prev_q0);
     }
