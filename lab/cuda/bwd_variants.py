@@ -166,7 +166,7 @@ PERSISTENT_CONSUME = r"""KL_DEV void consume(const BwdParams& p, int c, int tid,
     if (w.iters > 0) {
       unsigned ka1[D1P / 4];  // the consumer's K1 rows, the A operand of every S1 GEMM
       mbar_wait(bars.k_full + 8 * ks, (kit / KSTAGES) & 1);
-      load_kfrag<D1P>(ka1, k1_tile + c * 64 * 128, warp, lane);
+      load_afrag<D1P, SLAB_K>(ka1, k1_tile + c * 64 * 128, warp, lane);
       int prev_h = 0, prev_q0 = 0;
       for (int it = 0; it < w.iters; ++it) {
         const int g = git + it, stage = g % QSTAGES;
@@ -319,7 +319,7 @@ KL_DEV BwdBars bwd_bars(unsigned base) {
   BwdWork w;
   w.n0 = x * BN,""",
     ),
-    (_between("KL_DEV void produce(", "// The thread's A fragments"), PERSISTENT_PRODUCE + "\n"),
+    (_between("KL_DEV void produce(", "// S^T (64 keys x 64 rows) = K_c Q^T"), PERSISTENT_PRODUCE + "\n"),
     (_between("KL_DEV void consume(", 'extern "C"'), PERSISTENT_CONSUME),
     ("  const BwdWork w = bwd_work(p);\n", ""),
     (

@@ -170,22 +170,6 @@ KL_DEV void produce(const BwdParams& p, const BwdWork& w, int tid, unsigned base
   }
 }
 
-// The thread's A fragments of its consumer's 64 keys of a K tile (128-byte-swizzled 64-column
-// slabs of BN rows): per k-step kk, keys 16 warp + lane / 4 (+ 8), columns 16 kk + 2 (lane % 4) (+ 8).
-template <int DP>
-KL_DEV void load_kfrag(unsigned* a, unsigned k, int warp, int lane) {
-  const int g = lane / 4, r = 16 * warp + g;
-#pragma unroll
-  for (int kk = 0; kk < DP / 16; ++kk) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const unsigned off = (kk / 4) * SLAB_K + ((((2 * (kk % 4) + h) ^ g) << 4) | (4 * (lane % 4)));
-      a[4 * kk + 2 * h] = lds32(k + off + r * 128);
-      a[4 * kk + 2 * h + 1] = lds32(k + off + (r + 8) * 128);
-    }
-  }
-}
-
 // S^T (64 keys x 64 rows) = K_c Q^T with K_c's fragments in registers (wgmma RS).
 template <int DP>
 KL_DEV void gemm_kq_rs(float* s, const unsigned* a, unsigned q_tile) {
@@ -250,7 +234,7 @@ KL_DEV void consume(const BwdParams& p, const BwdWork& w, int c, int tid, unsign
   unsigned ka1[D1P / 4];  // the consumer's K1 rows, the A operand of every S1 GEMM
   if (w.iters > 0) {
     mbar_wait(k_full, 0);
-    load_kfrag<D1P>(ka1, base + OFF_K1 + c * 64 * 128, warp, lane);
+    load_afrag<D1P, SLAB_K>(ka1, base + OFF_K1 + c * 64 * 128, warp, lane);
   }
   int prev_h = 0, prev_q0 = 0;
   for (int it = 0; it < w.iters; ++it) {

@@ -99,22 +99,6 @@ KL_DEV void gemm(float* s, unsigned long long dq, unsigned long long dk) {
   }
 }
 
-// The thread's A fragments of a consumer's 64 x DP Q tile (at q, 128-byte-swizzled 64-column
-// slabs): per k-step kk, rows 16 w + lane / 4 (+ 8) and columns 16 kk + 2 (lane % 4) (+ 8).
-template <int DP>
-KL_DEV void load_qfrag(unsigned* a, unsigned q, int warp, int lane) {
-  const int g = lane / 4, r = 16 * warp + g;
-#pragma unroll
-  for (int kk = 0; kk < DP / 16; ++kk) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {  // columns 16 kk + 8 h + 2 (lane % 4): chunk 2 (kk % 4) + h of the row
-      const unsigned off = (kk / 4) * SLAB + ((((2 * (kk % 4) + h) ^ g) << 4) | (4 * (lane % 4)));
-      a[4 * kk + 2 * h] = lds32(q + off + r * 128);
-      a[4 * kk + 2 * h + 1] = lds32(q + off + (r + 8) * 128);
-    }
-  }
-}
-
 // S (64 x 64) = Q (A fragments a) . K^T (descriptor dk), k-steps [K0, K1).
 template <int DP, int K0 = 0, int K1 = DP / 16>
 KL_DEV void gemm_rs(float* s, const unsigned* a, unsigned long long dk) {
@@ -184,11 +168,11 @@ KL_DEV void consume(const Params& p, const Work& w, int c, int tid, unsigned bas
   }
 #if QREGS & 1
   unsigned qa1[D1P / 4];
-  load_qfrag<D1P>(qa1, base + OFF_Q1 + qc * Q1_WG, warp, lane);
+  load_afrag<D1P, SLAB>(qa1, base + OFF_Q1 + qc * Q1_WG, warp, lane);
 #endif
 #if QREGS & 2
   unsigned qa2[D2P / 4];
-  load_qfrag<D2P>(qa2, base + OFF_Q2 + qc * Q2_WG, warp, lane);
+  load_afrag<D2P, SLAB>(qa2, base + OFF_Q2 + qc * Q2_WG, warp, lane);
 #endif
   // Tile i - 1's S2 update runs under tile i's S1 GEMM: prev_* are its mask and limits.
   bool prev_masked = false;

@@ -163,6 +163,23 @@ KL_DEV unsigned lds32(unsigned addr) {
   return v;
 }
 
+// A warpgroup's wgmma A fragments of a 64 x COLS 16-bit tile at `tile`, stored as TMA writes it:
+// 128-byte-swizzled 64-column slabs, SLAB_STRIDE bytes apart. Per k-step kk the thread holds rows
+// 16 warp + lane / 4 (+ 8), columns 16 kk + 8 h + 2 (lane % 4): chunk 2 (kk % 4) + h of the row.
+template <int COLS, unsigned SLAB_STRIDE>
+KL_DEV void load_afrag(unsigned* a, unsigned tile, int warp, int lane) {
+  const int g = lane / 4, r = 16 * warp + g;
+#pragma unroll
+  for (int kk = 0; kk < COLS / 16; ++kk) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const unsigned off = (kk / 4) * SLAB_STRIDE + ((((2 * (kk % 4) + h) ^ g) << 4) | (4 * (lane % 4)));
+      a[4 * kk + 2 * h] = lds32(tile + off + r * 128);
+      a[4 * kk + 2 * h + 1] = lds32(tile + off + (r + 8) * 128);
+    }
+  }
+}
+
 // ---- the backward's extra instructions (kl_bwd.cu) ----
 
 // Descriptor of an MN-major operand (the GEMM's M or N dimension runs along the 128-byte rows: a
