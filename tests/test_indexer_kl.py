@@ -662,27 +662,27 @@ def test_compile_fullgraph_matches_eager(reduction, varlen):
         torch.testing.assert_close(g_c, g_e)
 
 
-def test_auto_takes_triton_where_it_runs_and_backends_without_the_op_say_so(monkeypatch):
-    """reference and triton implement indexer_kl: auto takes the reference for CPU tensors and
-    first_for_auto passes by backends without the op (cuda) to triton where it runs the call
-    (CUDA, or here its interpreter), else the reference; naming cuda raises saying why, and
-    triton says why it cannot run float64."""
+def test_auto_passes_by_backends_that_cannot_run_the_call_and_named_ones_say_why(monkeypatch):
+    """auto takes the reference for CPU tensors; first_for_auto passes by the cuda backend (it runs
+    CUDA tensors only, 16-bit, with the teacher's lse) to triton where it runs the call (CUDA, or
+    here its interpreter), else the reference; naming cuda raises saying why, and triton says why
+    it cannot run float64."""
     q, k, qi, ki, w = inputs = make_indexer_inputs(h=2, nq=5, nk=5)
     spec = _checks.indexer_kl_spec(q, k, qi, ki, w, lse=None, topk=None, causal=True, scale=None)
     call = IndexerKLInputs(*inputs)
     assert _dispatch.select("indexer_kl", spec, call, "auto") is reference
     reasons = _dispatch.available("indexer_kl", spec, call)
-    assert reasons["reference"] is None and reasons["cuda"] == "it does not implement indexer_kl"
+    assert reasons["reference"] is None and reasons["cuda"] == "the cuda backend runs CUDA tensors only"
     triton_impl = _dispatch.implementation("triton", "indexer_kl")
     picked = _dispatch.first_for_auto("indexer_kl", spec, call)
     assert picked is (triton_impl if reasons["triton"] is None else reference)
-    with pytest.raises(ValueError, match="backend 'cuda' cannot run these inputs: it does not implement"):
+    with pytest.raises(ValueError, match="backend 'cuda' cannot run these inputs: the cuda backend runs CUDA"):
         streamkl.indexer_kl(*inputs, backend="cuda")
     wide = make_indexer_inputs(h=2, nq=5, nk=5, dtype=torch.float64)
     with pytest.raises(ValueError, match="backend 'triton' cannot run these inputs: .*float64"):
         streamkl.indexer_kl(*wide, backend="triton")
     monkeypatch.setenv("STREAMKL_BACKEND", "cuda")
-    with pytest.raises(ValueError, match="does not implement indexer_kl"):
+    with pytest.raises(ValueError, match="runs CUDA tensors only"):
         streamkl.indexer_kl(*inputs)
 
 

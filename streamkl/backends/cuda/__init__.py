@@ -2,6 +2,6 @@
 time by NVRTC (_jit.py) and launched on torch's current stream (_launch.py); docs/cuda.md
 describes them. Importing it needs torch alone; cuda-python is imported when a kernel runs."""
 
-from . import attn_kl
+from . import attn_kl, indexer_kl
 
-__all__ = ["attn_kl"]
+__all__ = ["attn_kl", "indexer_kl"]

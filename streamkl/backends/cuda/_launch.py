@@ -198,8 +198,19 @@ def _tma_reason(misaligned: int, shape: torch.Size, stride: tuple, es: int) -> s
 def tensor_map(t: torch.Tensor, rows: int) -> bytes:
     """The 128 bytes of a 4-D tensor map {D, N, heads, B} of `t` (B, heads, N, D) with boxes of
     64 columns x `rows` rows, 128-byte swizzle, zeros out of bounds."""
+    return _encode(t, (3, 2, 1, 0), rows)
+
+
+def head_map(t: torch.Tensor, heads: int) -> bytes:
+    """The tensor map {D, heads, N, B} of `t` (B, heads, N, D) with boxes of 64 columns x `heads`
+    heads of one row (all of a query row's heads in one box; missing heads read as zeros)."""
+    return _encode(t, (3, 1, 2, 0), heads)
+
+
+def _encode(t: torch.Tensor, order: tuple[int, int, int, int], rows: int) -> bytes:
+    """The map of `t`'s dims in `order` (innermost first, contiguous), boxes of 64 x `rows`."""
     shape, stride = t.shape, t.stride()
-    key = (t.data_ptr(), shape, stride, t.dtype, rows)
+    key = (t.data_ptr(), shape, stride, t.dtype, order, rows)
     found = _MAPS.get(key)
     if found is not None:
         return found
@@ -207,15 +218,15 @@ def tensor_map(t: torch.Tensor, rows: int) -> bytes:
 
     dtypes, interleave, swizzle, l2, oob = _map_enums()
     es = t.element_size()
-    b, h, n, dim = shape
+    sizes = [shape[i] for i in order]
     # A dim of size 1 is only ever read at 0: any valid stride serves.
-    strides = [st * es if size > 1 else 16 for size, st in ((n, stride[2]), (h, stride[1]), (b, stride[0]))]
+    strides = [stride[i] * es if shape[i] > 1 else 16 for i in order[1:]]
     tmap = _check(
         d.cuTensorMapEncodeTiled(
             dtypes[t.dtype],
             4,
             t.data_ptr(),
-            [d.cuuint64_t(dim), d.cuuint64_t(n), d.cuuint64_t(h), d.cuuint64_t(b)],
+            [d.cuuint64_t(n) for n in sizes],
             [d.cuuint64_t(s) for s in strides],
             [d.cuuint32_t(TMA_BOX), d.cuuint32_t(rows), d.cuuint32_t(1), d.cuuint32_t(1)],
             [d.cuuint32_t(1)] * 4,

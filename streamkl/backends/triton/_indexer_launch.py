@@ -17,6 +17,8 @@ from typing import NamedTuple
 import torch
 import triton
 
+from ..._indexer_host import backward_coefs, correction_coefs, empty_stats, grad_outputs
+from ..._indexer_host import empty as _empty
 from ..._spec import IndexerKLGrads, IndexerKLInputs, IndexerKLSpec, IndexerKLStats, reduced_row_weight
 from . import _indexer_dki
 from ._config import pow2_dim
@@ -196,42 +198,10 @@ def _main_pass(call: _Call, spec, stats, coefs, outputs, write_kl, grads, delta=
     _launch(_indexer_main_kernel, call.plan.grid, args, consts)
 
 
-# The fused step corrects a row whose target mass T differs from 1 by more than this: a lse
-# computed in float32 over the admitted keys (an attention forward's) leaves T within a few
-# float32 roundings of 1, and the skipped term, (1/T - 1) p, stays below 1e-5 of p.
-MASS_TOLERANCE = 1e-5
-
-
-def _inverse_mass(mass: torch.Tensor, has_mass: torch.Tensor) -> torch.Tensor:
-    """1 / T where T > 0 (T below float32's smallest normal read as that, so 1 / T stays finite;
-    p / T <= 1 whatever T is), 1 elsewhere."""
-    return 1.0 / torch.where(has_mass, mass.clamp_min(torch.finfo(torch.float32).tiny), 1.0)
-
-
-def _finite(t: torch.Tensor) -> torch.Tensor:
-    """t with infinities clamped to float32's largest (a huge upstream gradient over a tiny T)."""
-    return torch.nan_to_num(t, posinf=torch.finfo(torch.float32).max, neginf=-torch.finfo(torch.float32).max)
-
-
-def _empty_stats(spec: IndexerKLSpec, inputs: IndexerKLInputs) -> IndexerKLStats:
-    """Statistics of a call with no row or no key: every row sees nothing."""
-    dev = inputs.q.device
-    kl = torch.zeros((spec.batch, spec.nq), device=dev, dtype=torch.float32)
-    if inputs.lse is not None:
-        lse = inputs.lse.to(dtype=torch.float32, copy=True).contiguous()
-    else:
-        lse = torch.full((spec.batch, spec.heads, spec.nq), float("-inf"), device=dev, dtype=torch.float32)
-    return IndexerKLStats(kl, lse, torch.full_like(kl, float("-inf")), torch.zeros_like(kl))
-
-
-def _empty(spec: IndexerKLSpec) -> bool:
-    return spec.batch * spec.nq == 0 or spec.nk == 0
-
-
 def forward(spec: IndexerKLSpec, inputs: IndexerKLInputs) -> IndexerKLStats:
     """The backend's forward (streamkl/_backend.py): (kl, lse, lse2, mass), float32."""
     if _empty(spec):
-        return _empty_stats(spec, inputs)
+        return empty_stats(spec, inputs)
     kl = torch.empty((spec.batch, spec.nq), device=inputs.q.device, dtype=torch.float32)
     mass = torch.empty_like(kl)
     call = _call(spec, inputs, kl)
@@ -240,36 +210,15 @@ def forward(spec: IndexerKLSpec, inputs: IndexerKLInputs) -> IndexerKLStats:
     return IndexerKLStats(kl, lse, lse2, mass)
 
 
-def _grad_outputs(spec: IndexerKLSpec, inputs: IndexerKLInputs, held: bool = False):
-    """(dqi, dki accumulator, dw) where spec.needs asks: dqi, dw in their inputs' dtypes (each row
-    written once), dki a zeroed float32 buffer (atomics). `held` (the fused step's, kept until
-    the upstream gradient scales them): float16 ones in float32, as float16 cannot hold a mean's
-    gradient (1 / rows of a row's) before a loss scale brings it back into range."""
-    qi, ki, w = inputs.qi, inputs.ki, inputs.w
-    need_dqi, need_dki, need_dw = spec.needs
-    alloc = torch.zeros if _empty(spec) else torch.empty
-
-    def kept(t):
-        return torch.float32 if held and t.dtype == torch.float16 else t.dtype
-
-    dqi = alloc(qi.shape, device=qi.device, dtype=kept(qi)) if need_dqi else None
-    dki = torch.zeros(ki.shape, device=ki.device, dtype=torch.float32) if need_dki else None
-    dw = alloc(w.shape, device=w.device, dtype=kept(w)) if need_dw else None
-    return dqi, dki, dw
-
-
 def backward(
     spec: IndexerKLSpec, inputs: IndexerKLInputs, stats: IndexerKLStats, grad_kl: torch.Tensor
 ) -> IndexerKLGrads:
     """The backend's backward: the main pass again, dI = g (softmax(I) [T > 0] - p / T)."""
-    dqi, dki, dw = _grad_outputs(spec, inputs)
+    dqi, dki, dw = grad_outputs(spec, inputs)
     if _empty(spec) or not any(spec.needs):
         return IndexerKLGrads(dqi, None if dki is None else dki.to(inputs.ki.dtype), dw)
     kl, lse, lse2, mass = (t.to(torch.float32).contiguous() for t in stats)
-    g = grad_kl.to(torch.float32)
-    has_mass = mass > 0
-    coef_a = torch.where(has_mass, g, 0.0)
-    coef_b = _finite(torch.where(has_mass, g * _inverse_mass(mass, has_mass), 0.0))
+    coef_a, coef_b = backward_coefs(mass, grad_kl)
     call = _call(spec, inputs, kl)
     by_key = _indexer_dki.by_key(spec)  # deterministic mode: dki from _indexer_dki, no atomics
     if not by_key or dqi is not None or dw is not None:
@@ -287,14 +236,14 @@ def forward_with_grads(
     streamed once: dI = w_r (q - p) with w_r every row's weight in the loss (the rows that see a
     key known after pass 1) is exact where T = 1, which holds (to rounding) when this call
     computes lse. With a given lse, a correction pass runs on the rows where T differs from 1 by
-    more than MASS_TOLERANCE, or that have no target mass: it forms their dqi
+    more than _indexer_host.MASS_TOLERANCE, or that have no target mass: it forms their dqi
     and dw anew with dI = w_r (q [T > 0] - p / T) and adds to dki the difference, -w_r q or
     -w_r (1/T - 1) p; its programs whose rows need nothing exit at once. dqi and dw are written
-    once per pass in their inputs' dtypes (float32 for float16: _grad_outputs), so each element
+    once per pass in their inputs' dtypes (float32 for float16: grad_outputs), so each element
     is rounded once."""
-    dqi, dki, dw = _grad_outputs(spec, inputs, held=True)
+    dqi, dki, dw = grad_outputs(spec, inputs, held=True)
     if _empty(spec):
-        return _empty_stats(spec, inputs), IndexerKLGrads(dqi, dki, dw)
+        return empty_stats(spec, inputs), IndexerKLGrads(dqi, dki, dw)
     kl = torch.empty((spec.batch, spec.nq), device=inputs.q.device, dtype=torch.float32)
     mass = torch.empty_like(kl)
     call = _call(spec, inputs, kl)
@@ -306,11 +255,7 @@ def forward_with_grads(
     _main_pass(call, spec, stats, (weight, weight), main, True, True)
     dki_coefs = (weight, weight)
     if inputs.lse is not None and any(spec.needs):
-        has_mass = mass > 0
-        excess = _inverse_mass(mass, has_mass) - 1.0
-        coef_a = torch.where(~has_mass & (lse2 > float("-inf")), -weight, 0.0)
-        coef_b = _finite(torch.where(has_mass & (excess.abs() > MASS_TOLERANCE), excess * weight, 0.0))
-        dki_coefs = (weight + coef_a, weight + coef_b)  # the rows' whole dI
+        dki_coefs, (coef_a, coef_b) = correction_coefs(weight, mass, lse2)  # the rows' whole dI
         if any(t is not None for t in main):
             _main_pass(call, spec, stats, dki_coefs, main, False, True, delta=(coef_a, coef_b))
     if by_key:

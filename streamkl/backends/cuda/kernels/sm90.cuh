@@ -263,3 +263,34 @@ KL_DEV void bar_sync(int id, int count) { asm volatile("bar.sync %0, %1;" ::"r"(
 KL_DEV void red_add2(float* p, float a, float b) {
   asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(p), "f"(a), "f"(b) : "memory");
 }
+
+// ---- indexer_kl.cu's extra instructions ----
+
+// wgmma m64n128k16 with fp32 accumulators d[64]: D[64 x 128] (+)= A[64 x 16] * B[128 x 16]^T, both
+// K-major in shared memory (the key-major teacher GEMM: 64 keys against 128 stacked heads).
+#define KL_OPS64(M) KL_OPS32(M), KL_OPS8(M, 32), KL_OPS8(M, 40), KL_OPS8(M, 48), KL_OPS8(M, 56)
+#define KL_D64                                                                                                 \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22," \
+  " %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43,"  \
+  " %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
+template <bool ACC>
+KL_DEV void wgmma_m64n128k16(float* d, unsigned long long desc_a, unsigned long long desc_b) {
+  if constexpr (ACC)
+    asm volatile("wgmma.mma_async.sync.aligned.m64n128k16.f32." KL_AB "." KL_AB " " KL_D64 ", %64, %65, 1, 1, 1, 0, 0;\n"
+                 : KL_OPS64(KL_RW)
+                 : "l"(desc_a), "l"(desc_b));
+  else
+    asm volatile("wgmma.mma_async.sync.aligned.m64n128k16.f32." KL_AB "." KL_AB " " KL_D64 ", %64, %65, 0, 1, 1, 0, 0;\n"
+                 : KL_OPS64(KL_WO)
+                 : "l"(desc_a), "l"(desc_b));
+}
+
+// wgmma m64n64k16 accumulating, both operands MN-major in shared memory (smem_desc_mn): D[64 x 64]
+// += A[64 x 16] * B[16 x 64] with A stored K rows of 64 M columns (a transposed tile, as dz^T).
+KL_DEV void wgmma_m64n64k16_ta_tb(float* d, unsigned long long desc_a, unsigned long long desc_b) {
+  asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32." KL_AB "." KL_AB " " KL_D32 ", %32, %33, 1, 1, 1, 1, 1;\n"
+               : KL_OPS32(KL_RW)
+               : "l"(desc_a), "l"(desc_b));
+}
+
+KL_DEV void sts32(unsigned addr, unsigned v) { asm volatile("st.shared.b32 [%0], %1;" ::"r"(addr), "r"(v)); }
