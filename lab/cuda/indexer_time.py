@@ -58,7 +58,8 @@ def main() -> None:
     args = ap.parse_args()
     result = dict(gemm_start=gemm_tflops(), cases=[])
     for n in (int(x) for x in args.sizes.split(",")):
-        case = IndexerCase(nq=n, nk=n, causal=bool(args.causal))
+        case = IndexerCase(b=1, h=128, hk=1, g=64, nq=n, nk=n, d=576, di=128, causal=bool(args.causal),
+                           dtype="bfloat16", scale=192**-0.5)  # fmt: skip
         inputs = make_inputs(case, torch.device("cuda"), seed=n)
         row = dict(n=n, causal=args.causal)
         fns = {b: calls(case, inputs, b) for b in ("cuda", "triton")}
