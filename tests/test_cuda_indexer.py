@@ -107,7 +107,7 @@ def test_against_oracle(case, dtype):
     _check_step(inputs, "mean", "cuda", **call)
     wide = make_indexer_inputs(b=1, h=h, hk=1, g=g, nq=nq, nk=nk, d=d, di=di, dtype=dtype, device="cuda",
                                layout=layout, seed=nq + h + 1, w_dtype=torch.float32)  # fmt: skip
-    call["lse"] = _given_lse(wide, torch.float32, **call)
+    call["lse"] = _given_lse(wide, torch.float32, causal=causal, scale=call["scale"])
     _check_step(wide, "sum", "cuda", **call)
 
 
@@ -115,12 +115,12 @@ def test_against_oracle(case, dtype):
 @sm90
 def test_step_corrects_rows_whose_given_lse_is_not_the_admitted_keys():
     """A given lse that is not over the admitted keys (here the unmasked one under the causal
-    mask, and -inf on some heads) leaves T != 1 on most rows: the correction pass makes the fused
+    mask, some heads' shifted) leaves T != 1 on every row: the correction pass makes the fused
     step's gradients those of the op's definition, and auto takes the cuda backend."""
     inputs = make_indexer_inputs(b=1, h=32, hk=1, g=16, nq=96, nk=160, d=576, di=128, dtype=torch.bfloat16,
                                  device="cuda", seed=5)  # fmt: skip
     lse = _given_lse(inputs, torch.float32, causal=False)
-    lse[:, :3] = float("-inf")
+    lse[:, :3] += 0.7
     spec = _spec_of(inputs, lse=lse, topk=None, causal=True, scale=None)
     picked = _dispatch.select("indexer_kl", spec, IndexerKLInputs(*inputs, lse), "auto")
     assert picked is _dispatch.implementation("cuda", "indexer_kl")

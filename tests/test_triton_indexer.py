@@ -180,10 +180,10 @@ def test_gpu_against_oracle(case, dtype):
 
 
 @pytest.mark.gpu
-def test_gpu_auto_takes_triton_and_the_step_is_one_teacher_pass(monkeypatch):
-    """auto runs triton on CUDA; the training step with a given lse launches the main pass once
-    with the gradients (T = 1) and the correction pass (whose programs exit where T = 1), and
-    its backward launches nothing."""
+def test_gpu_the_step_is_one_teacher_pass(monkeypatch):
+    """The training step with a given lse launches the main pass once with the gradients (T = 1)
+    and the correction pass (whose programs exit where T = 1), and its backward launches
+    nothing."""
     from streamkl.backends.triton import _indexer_launch
 
     inputs = make_indexer_inputs(b=1, h=16, hk=1, g=8, nq=128, nk=128, d=576, di=128, dtype=torch.bfloat16,
@@ -203,7 +203,7 @@ def test_gpu_auto_takes_triton_and_the_step_is_one_teacher_pass(monkeypatch):
         return real(kernel, grid, args, consts)
 
     monkeypatch.setattr(_indexer_launch, "_launch", counted)
-    loss = streamkl.indexer_kl(*inputs, lse=lse)
+    loss = streamkl.indexer_kl(*inputs, lse=lse, backend="triton")
     loss.backward()
     grads = [launch[2] for launch in launches if launch[1]]  # main passes with gradients
     assert grads == [False, True], launches  # the step, then the correction (rows with T != 1)
