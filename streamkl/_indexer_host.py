@@ -49,6 +49,15 @@ def grad_outputs(spec: IndexerKLSpec, inputs: IndexerKLInputs, held: bool = Fals
     return dqi, dki, dw
 
 
+def key_sets(topk: torch.Tensor) -> torch.Tensor:
+    """Each row's top-k set sorted, repeats of an index replaced by -1 (a set counts a key once),
+    int32 contiguous (B, Sq, K): what the kernels gather from."""
+    keys = topk.to(torch.int32).sort(-1).values
+    if keys.shape[-1] > 1:
+        keys[..., 1:].masked_fill_(keys[..., 1:] == keys[..., :-1], -1)
+    return keys.contiguous()
+
+
 def inverse_mass(mass: torch.Tensor, has_mass: torch.Tensor) -> torch.Tensor:
     """1 / T where T > 0 (T below float32's smallest normal read as that, so 1 / T stays finite;
     p / T <= 1 whatever T is), 1 elsewhere."""

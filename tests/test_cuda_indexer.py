@@ -3,9 +3,10 @@ within budget (CPU: NVRTC needs no GPU); which calls `supports` leaves to triton
 reason; and, on an sm_90 GPU (marked gpu), the forward, the recompute backward and the fused step
 against the float64 oracle by the rule of tests/test_indexer_kl.py, at DeepSeek-V3.2-like shapes
 scaled down (H up to 128 heads on the 576-wide MQA key, G up to 64 indexer heads of up to 128):
-key tiles that end inside a tile, Sq != Sk both ways (rows that see no key), padded heads and head
-dims, the (B, S, H, D) and [S, B, H, D] layouts read in place, w in float32, and the step's
-correction pass on rows whose given lse leaves T != 1."""
+dense and top-k sparse (random sets with padding and keys the mask hides, gathered), key tiles
+that end inside a tile, Sq != Sk both ways (rows that see no key), padded heads and head dims,
+the (B, S, H, D) and [S, B, H, D] layouts read in place, w in float32, and the step's correction
+pass on rows whose given lse leaves T != 1."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import streamkl
 from streamkl import _checks, _dispatch
 from streamkl._spec import IndexerKLInputs
 
-from .indexer_oracle import make_indexer_inputs
+from .indexer_oracle import make_indexer_inputs, random_topk
 from .test_indexer_kl import _check, _check_step, _given_lse
 
 pytest.importorskip("cuda.core")
@@ -35,7 +36,7 @@ sm90 = pytest.mark.skipif(not _on_sm90(), reason="needs an sm_90 GPU")
 def _build_id(c):
     passes = {tuple(v.values()): k for k, v in _indexer.PASSES.items()}
     name = passes[(c["STATS"], c["WRITE_KL"], c["GRADS"], c["REDO"])]
-    return f"{name}-{'fp16' if c['KL_FP16'] else 'bf16'}"
+    return f"{name}-{'fp16' if c['KL_FP16'] else 'bf16'}{'-sparse' if c['SPARSE'] else ''}"
 
 
 @pytest.mark.parametrize("consts", _indexer.shipped_instantiations(), ids=_build_id)
@@ -58,6 +59,7 @@ def _spec_of(inputs, **call):
 def test_supports_names_what_it_leaves_to_triton():
     """The kernel's own limits, asked of CPU tensors (no GPU needed): each call it cannot run gets
     a reason naming what, and the shapes it runs get None."""
+
     def reason(dtype=torch.bfloat16, w_dtype=None, lse=True, topk=None, **shape):
         problem = dict(b=1, h=16, hk=1, g=8, nq=8, nk=8, d=64, di=64) | shape
         inputs = make_indexer_inputs(dtype=dtype, w_dtype=w_dtype, **problem)
@@ -73,8 +75,7 @@ def test_supports_names_what_it_leaves_to_triton():
     assert "64 indexer" in reason(g=65)
     assert "head dims up to 576" in reason(d=640)
     assert "Di=130" in reason(di=130)
-    topk = torch.zeros(1, 8, 4, dtype=torch.int64)
-    assert "dense mode" in reason(topk=topk)
+    assert reason(topk=torch.zeros(1, 8, 4, dtype=torch.int64)) is None
     inputs = make_indexer_inputs(h=2, nq=4, nk=4, dtype=torch.bfloat16)
     spec = _spec_of(inputs, lse=torch.zeros(1, 2, 4), topk=None, causal=True, scale=None)
     impl = _dispatch.implementation("cuda", "indexer_kl")
@@ -82,12 +83,15 @@ def test_supports_names_what_it_leaves_to_triton():
 
 
 CASES = [
-    # (h, d, g, di, nq, nk, causal, layout)
-    (128, 576, 64, 128, 300, 337, True, "bnhd"),  # the MQA training shape, Sq < Sk
-    (128, 576, 64, 128, 200, 150, True, "bhnd"),  # Sq > Sk: the first 50 rows see no key
-    (64, 576, 32, 96, 190, 190, False, "sbhd"),  # padded heads and indexer dims, no mask
-    (16, 192, 8, 64, 130, 257, True, "bnhd"),  # a 192-wide key, few heads
-    (100, 520, 64, 128, 65, 65, True, "bhnd"),  # D and H not multiples of 64 or 128
+    # (h, d, g, di, nq, nk, causal, layout, top-k width: 0 dense)
+    (128, 576, 64, 128, 300, 337, True, "bnhd", 0),  # the MQA training shape, Sq < Sk
+    (128, 576, 64, 128, 200, 150, True, "bhnd", 0),  # Sq > Sk: the first 50 rows see no key
+    (64, 576, 32, 96, 190, 190, False, "sbhd", 0),  # padded heads and indexer dims, no mask
+    (16, 192, 8, 64, 130, 257, True, "bnhd", 0),  # a 192-wide key, few heads
+    (100, 520, 64, 128, 65, 65, True, "bhnd", 0),  # D and H not multiples of 64 or 128
+    (128, 576, 64, 128, 300, 337, True, "bnhd", 200),  # sparse: sets of 200 gathered keys
+    (64, 520, 16, 96, 150, 120, True, "sbhd", 64),  # sparse, Sq > Sk, D not a multiple of 64
+    (32, 576, 64, 128, 96, 300, False, "bhnd", 130),  # sparse, no mask, sets past a tile
 ]
 
 
@@ -98,16 +102,18 @@ CASES = [
 def test_against_oracle(case, dtype):
     """Forward, recompute backward (reduction "none") and the fused step ("mean", then "sum" with
     w in float32) against the float64 oracle by the rule."""
-    h, d, g, di, nq, nk, causal, layout = case
+    h, d, g, di, nq, nk, causal, layout, width = case
     inputs = make_indexer_inputs(b=2, h=h, hk=1, g=g, nq=nq, nk=nk, d=d, di=di, dtype=dtype, device="cuda",
                                  layout=layout, seed=nq + h)  # fmt: skip
-    call = dict(causal=causal, scale=192**-0.5)
+    topk = random_topk(2, nq, nk, width, seed=h).to("cuda") if width else None
+    call = dict(causal=causal, scale=192**-0.5, topk=topk)
     call["lse"] = _given_lse(inputs, torch.float32, **call)
     _check(inputs, backend="cuda", **call)
     _check_step(inputs, "mean", "cuda", **call)
     wide = make_indexer_inputs(b=1, h=h, hk=1, g=g, nq=nq, nk=nk, d=d, di=di, dtype=dtype, device="cuda",
                                layout=layout, seed=nq + h + 1, w_dtype=torch.float32)  # fmt: skip
-    call["lse"] = _given_lse(wide, torch.float32, causal=causal, scale=call["scale"])
+    call["topk"] = None if topk is None else topk[:1]
+    call["lse"] = _given_lse(wide, torch.float32, causal=causal, scale=call["scale"], topk=call["topk"])
     _check_step(wide, "sum", "cuda", **call)
 
 

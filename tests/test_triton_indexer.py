@@ -94,7 +94,7 @@ def test_head_chunks_and_statistics():
 
 
 def test_key_sets_are_sorted_and_deduplicated():
-    from streamkl.backends.triton._indexer_launch import key_sets
+    from streamkl._indexer_host import key_sets
 
     topk = torch.tensor([[[5, -1, 2, 5, 0, 2, -1]]])
     got = key_sets(topk)

@@ -3,7 +3,8 @@ pass and dtype), its parameter block, tensor maps and launches on torch's curren
 three entry points of streamkl/_backend.py built from them (no input copied; the teacher's lse is
 copied to a contiguous float32 one, which the statistics return).
 
-    forward             STATS + WRITE_KL: LSE2, then the KL and T, in one launch
+    forward             STATS + WRITE_KL: LSE2, then the KL and T, in one launch (SPARSE: the
+                        rows' deduplicated key sets, _indexer_host.key_sets, gathered)
     backward            GRADS with a = g [T > 0], b = g / T per row (the recompute backward)
     forward_with_grads  STATS + WRITE_KL + GRADS with a = b = every row's weight in the reduced loss
                         (T = 1; the teacher streams once), then REDO on the rows whose T is not 1
@@ -19,7 +20,7 @@ import struct
 
 import torch
 
-from ..._indexer_host import backward_coefs, correction_coefs, empty, empty_stats, grad_outputs
+from ..._indexer_host import backward_coefs, correction_coefs, empty, empty_stats, grad_outputs, key_sets
 from ..._spec import IndexerKLGrads, IndexerKLInputs, IndexerKLSpec, IndexerKLStats, causal_offset
 from . import _jit
 from ._launch import LOG2E, _check, head_map, tensor_map
@@ -31,10 +32,10 @@ MAX_HEADS = 128  # the teacher's heads of a row stack as one 128-wide GEMM opera
 MAX_INDEX_HEADS = 64
 MAX_D = 576  # the teacher's head dim (MLA's absorbed key): nine 64-column slabs
 MAX_DI = 128
-PARAMS_BYTES = 704  # sizeof(IndexerParams)
-_POINTERS = struct.Struct("<9Q")  # lse, lse2, w, coef, kl, mass, dqi, dki, dw
-_STRIDES = struct.Struct("<3q")  # w's
-_SCALARS = struct.Struct("<13i3f")
+PARAMS_BYTES = 768  # sizeof(IndexerParams)
+_POINTERS = struct.Struct("<12Q")  # lse, lse2, w, coef, kl, mass, dqi, dki, dw, topk, k, ki
+_STRIDES = struct.Struct("<7q")  # w's (B, G, Sq), k's (B, Sk), ki's (B, Sk)
+_SCALARS = struct.Struct("<15i3f")
 _PAD = bytes(PARAMS_BYTES - 4 * 128 - _POINTERS.size - _STRIDES.size - _SCALARS.size)
 # The layout of kernels/indexer_kl.cu: its fixed part (QI, the dz^T slabs, the rings, L, w, the
 # scratch, the barriers, the alignment slack) and one Q slab of 128 heads x 64 columns per 64 of D.
@@ -49,13 +50,13 @@ PASSES = {
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
-def instantiation(pass_name: str, fp16: bool) -> dict:
-    return dict(PASSES[pass_name], KL_FP16=int(fp16))
+def instantiation(pass_name: str, fp16: bool, sparse: bool) -> dict:
+    return dict(PASSES[pass_name], KL_FP16=int(fp16), SPARSE=int(sparse))
 
 
 def shipped_instantiations() -> list[dict]:
     """Every instantiation a supported input can select (CI compiles each of them)."""
-    return [instantiation(name, fp16) for name in PASSES for fp16 in (False, True)]
+    return [instantiation(name, f, s) for name in PASSES for f in (False, True) for s in (False, True)]
 
 
 def smem_bytes(d: int) -> int:
@@ -93,7 +94,7 @@ def _launch(pass_name: str, spec: IndexerKLSpec, inputs: IndexerKLInputs, out: d
     q, k, qi, ki, w = inputs[:5]
     dev = q.device
     index = dev.index if dev.index is not None else torch.cuda.current_device()
-    consts = instantiation(pass_name, q.dtype == torch.float16)
+    consts = instantiation(pass_name, q.dtype == torch.float16, spec.sparse)
     handle = kernel(tuple(sorted(consts.items())), index)
 
     def ptr(name):
@@ -107,16 +108,39 @@ def _launch(pass_name: str, spec: IndexerKLSpec, inputs: IndexerKLInputs, out: d
         + head_map(qi, 64)
         + tensor_map(ki, 64)
         + _POINTERS.pack(
-            ptr("lse"), ptr("lse2"), w.data_ptr(), 0 if coef is None else coef.data_ptr(),
-            ptr("kl"), ptr("mass"), ptr("dqi"), ptr("dki"), ptr("dw"),
+            ptr("lse"),
+            ptr("lse2"),
+            w.data_ptr(),
+            0 if coef is None else coef.data_ptr(),
+            ptr("kl"),
+            ptr("mass"),
+            ptr("dqi"),
+            ptr("dki"),
+            ptr("dw"),
+            ptr("topk"),
+            k.data_ptr(),
+            ki.data_ptr(),
         )  # fmt: skip
-        + _STRIDES.pack(*w.stride())
+        + _STRIDES.pack(*w.stride(), k.stride(0), k.stride(2), ki.stride(0), ki.stride(2))
         + _SCALARS.pack(
-            spec.heads, spec.index_heads, spec.nq, spec.nk, spec.di, -(-spec.d // 64), int(spec.causal),
-            _DTYPE_CODE[w.dtype], _DTYPE_CODE[dw.dtype] if dw is not None else 0,
+            spec.heads,
+            spec.index_heads,
+            spec.nq,
+            spec.nk,
+            spec.d,
+            spec.di,
+            -(-spec.d // 64),
+            int(spec.causal),
+            _DTYPE_CODE[w.dtype],
+            _DTYPE_CODE[dw.dtype] if dw is not None else 0,
             int(dqi is not None and dqi.dtype == torch.float32),
-            int(dqi is not None), int(out.get("dki") is not None), int(dw is not None),
-            spec.scale * LOG2E, 1.0 / spec.heads, scalar,
+            int(dqi is not None),
+            int(out.get("dki") is not None),
+            int(dw is not None),
+            spec.topk_width if spec.sparse else 0,
+            spec.scale * LOG2E,
+            1.0 / spec.heads,
+            scalar,
         )  # fmt: skip
         + _PAD
     )
@@ -139,7 +163,10 @@ def _teacher_lse(inputs: IndexerKLInputs) -> torch.Tensor:
 
 def _row_stats(spec: IndexerKLSpec, inputs: IndexerKLInputs) -> dict:
     kl = torch.empty((spec.batch, spec.nq), device=inputs.q.device, dtype=torch.float32)
-    return dict(lse=_teacher_lse(inputs), lse2=torch.empty_like(kl), kl=kl, mass=torch.empty_like(kl))
+    out = dict(lse=_teacher_lse(inputs), lse2=torch.empty_like(kl), kl=kl, mass=torch.empty_like(kl))
+    if spec.sparse:
+        out["topk"] = key_sets(inputs.topk)
+    return out
 
 
 def forward(spec: IndexerKLSpec, inputs: IndexerKLInputs) -> IndexerKLStats:
@@ -160,18 +187,27 @@ def backward(
         coef_a, coef_b = backward_coefs(mass, grad_kl)
         coef = torch.stack((coef_a, coef_b, coef_a, coef_b)).contiguous()
         out = dict(lse=lse, lse2=lse2, dqi=dqi, dki=dki, dw=dw)
+        if spec.sparse:
+            out["topk"] = key_sets(inputs.topk)
         _launch("backward", spec, inputs, out, coef=coef)
     return IndexerKLGrads(dqi, None if dki is None else dki.to(inputs.ki.dtype), dw)
 
 
-def rows_that_see_a_key(spec: IndexerKLSpec) -> int:
-    """Rows of a dense call that admit at least one key (all of them but, under the causal
-    mask with Sq > Sk, the first Sq - Sk)."""
-    if spec.nk == 0:
-        return 0
-    if not spec.causal:
-        return spec.batch * spec.nq
-    return spec.batch * max(0, spec.nq - max(0, -causal_offset(spec.nq, spec.nk)))
+def row_weight(spec: IndexerKLSpec, reduction: str, sets: torch.Tensor | None):
+    """Every row's gradient in the reduced loss, known before the launch: 1 for "sum"; for "mean",
+    1 / the rows that admit a key: a dense call's from the shapes (all rows but, under the causal
+    mask with Sq > Sk, the first Sq - Sk), a float; a sparse call's from its key sets (an entry
+    that is a key the row's mask admits), a 0-d tensor on the device (no host sync)."""
+    if reduction == "sum":
+        return 1.0
+    off = causal_offset(spec.nq, spec.nk)
+    if sets is None:
+        seen = spec.nq if not spec.causal else max(0, spec.nq - max(0, -off))
+        return 1.0 / max(1, spec.batch * seen)
+    end = torch.arange(spec.nq, device=sets.device, dtype=torch.int32)[:, None] + (off + 1)
+    end = end.clamp(max=spec.nk) if spec.causal else torch.full_like(end, spec.nk)
+    seen = ((sets >= 0) & (sets < end)).any(-1).sum()
+    return seen.clamp_min(1).to(torch.float32).reciprocal()
 
 
 def forward_with_grads(
@@ -184,10 +220,14 @@ def forward_with_grads(
     if empty(spec):
         return empty_stats(spec, inputs), IndexerKLGrads(dqi, dki, dw)
     out = dict(_row_stats(spec, inputs), dqi=dqi, dki=dki, dw=dw)
-    weight = 1.0 if reduction == "sum" else 1.0 / max(1, rows_that_see_a_key(spec))
-    _launch("step", spec, inputs, out, scalar=weight)
+    weight = row_weight(spec, reduction, out.get("topk"))
+    if isinstance(weight, float):
+        _launch("step", spec, inputs, out, scalar=weight)
+    else:  # every row's coefficients the device's 0-d weight
+        _launch("step", spec, inputs, out, coef=weight.expand(4, *out["kl"].shape).contiguous())
     if any(spec.needs):
-        weights = torch.full_like(out["kl"], weight)
+        kl = out["kl"]
+        weights = torch.full_like(kl, weight) if isinstance(weight, float) else weight.expand_as(kl)
         whole, delta = correction_coefs(weights, out["mass"], out["lse2"])
         _launch("redo", spec, inputs, out, coef=torch.stack((*whole, *delta)).contiguous())
     stats = IndexerKLStats(out["kl"], out["lse"], out["lse2"], out["mass"])
@@ -203,8 +243,6 @@ def supports(spec: IndexerKLSpec, inputs: IndexerKLInputs) -> str | None:
         return f"the cuda backend's indexer_kl takes q, k, qi, ki in one 16-bit dtype; got {got}"
     if w.dtype not in _DTYPE_CODE:
         return f"the cuda backend's indexer_kl takes w in float32, bfloat16 or float16; got {w.dtype}"
-    if spec.sparse:
-        return "the cuda backend's indexer_kl runs the dense mode (topk runs on triton)"
     if spec.packed:
         return "the cuda backend's indexer_kl does not run packed sequences"
     if inputs.lse is None:

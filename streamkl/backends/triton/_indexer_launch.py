@@ -17,7 +17,7 @@ from typing import NamedTuple
 import torch
 import triton
 
-from ..._indexer_host import backward_coefs, correction_coefs, empty_stats, grad_outputs
+from ..._indexer_host import backward_coefs, correction_coefs, empty_stats, grad_outputs, key_sets
 from ..._indexer_host import empty as _empty
 from ..._spec import IndexerKLGrads, IndexerKLInputs, IndexerKLSpec, IndexerKLStats, reduced_row_weight
 from . import _indexer_dki
@@ -139,15 +139,6 @@ def _plan_of(spec: IndexerKLSpec, inputs: IndexerKLInputs) -> IndexerPlan:
 def _strides(inputs: IndexerKLInputs) -> tuple:
     q, k, qi, ki, w = inputs[:5]
     return (*q.stride(), *k.stride(), *qi.stride(), ki.stride(0), ki.stride(2), ki.stride(3), *w.stride())
-
-
-def key_sets(topk: torch.Tensor) -> torch.Tensor:
-    """Each row's top-k set sorted, repeats of an index replaced by -1 (a set counts a key once),
-    int32 contiguous (B, Sq, K): what the kernels gather from."""
-    keys = topk.to(torch.int32).sort(-1).values
-    if keys.shape[-1] > 1:
-        keys[..., 1:].masked_fill_(keys[..., 1:] == keys[..., :-1], -1)
-    return keys.contiguous()
 
 
 class _Call(NamedTuple):

@@ -13,11 +13,13 @@
 //
 // Grid: (Sq, B): CTA x holds row Sq - 1 - x of batch y (under the causal mask the longest rows start
 //   first). __launch_bounds__(THREADS, 1): one CTA per SM (the queries take up to 144 KB).
-// Block: 384 threads. Warpgroup 0 is the producer (setmaxnreg.dec to 24): its warp c < 2, lane 0,
+// Block: 384 threads. Warpgroup 0 is the producer (setmaxnreg.dec to 40): its warp c < 2, lane 0,
 //   feeds consumer c's ring of STAGES 64 x 64 slabs (TMA): STATS: the two KI slabs of each of its
-//   key tiles; then per key tile the D/64 K slabs and the two KI slabs. Warp 0 also loads the row's
-//   QI (64 heads x 128, on qi_full) and Q (128 heads x D, on q_full) once. Warpgroups 1..2 are the
-//   consumers (setmaxnreg.inc to 240): consumer c takes key tiles c, c + 2, ... of the row, so the
+//   key tiles; then per key tile the D/64 K slabs and the two KI slabs. SPARSE (a key tile is 64
+//   entries of the row's key set, gathered: Hopper's TMA has no gather): warps 2c and 2c + 1 fill
+//   consumer c's ring instead, each thread one slab row by cp.async. Warp 0 (lane 0) also loads
+//   the row's QI (64 heads x 128, on qi_full) and Q (128 heads x D, on q_full) once by TMA.
+//   Warpgroups 1..2 are the consumers (setmaxnreg.inc to 232): consumer c takes key tiles c, c + 2, ... of the row, so the
 //   two never wait on each other inside the loop and one's GEMMs run under the other's exponentials.
 //   A K slab is released (one arrive) when the GEMM after it completes, the KI slabs after dqi's GEMM.
 //   After the loop the consumers meet once: consumer 1 hands its dqi and both their dw and KL sums to
@@ -27,7 +29,8 @@
 //   (NWG x STAGES slabs), L_h (log2 units, +inf for padding heads), w_g (0 for padding heads), a
 //   reduction scratch, the barriers, then Q (D/64 slabs of 128 heads).
 // Reads q ({D, H, Sq, B} map, boxes 64 x 128 heads), k and ki ({D, Sk, 1, B}, boxes 64 x 64 keys), qi
-//   ({Di, G, Sq, B}, boxes 64 x 64 heads), w (strided, float32/bfloat16/float16), lse ([B, H, Sq]
+//   ({Di, G, Sq, B}, boxes 64 x 64 heads; SPARSE: k and ki by pointer, and topk [B, Sq, W] int32),
+//   w (strided, float32/bfloat16/float16), lse ([B, H, Sq]
 //   float32), lse2 (!STATS), coef ([4][B Sq]: a, b, da, db; null: all coef_scalar). Writes lse2
 //   (STATS), kl and mass (WRITE_KL), the row's dqi ([B, G, Sq, Di]) and dw ([B, G, Sq]) and adds into
 //   dki ([B, Sk, Di] float32). REDO (the fused step's correction): dqi and dw are formed from (a, b) and
@@ -36,7 +39,8 @@
 #include "mask.cuh"
 #include "sm90.cuh"
 
-#if !defined(KL_FP16) || !defined(STATS) || !defined(WRITE_KL) || !defined(GRADS) || !defined(REDO)
+#if !defined(KL_FP16) || !defined(STATS) || !defined(WRITE_KL) || !defined(GRADS) || !defined(REDO) || \
+    !defined(SPARSE)
 #error "the launcher (_indexer.py) defines every instantiation constant"
 #endif
 
@@ -57,7 +61,7 @@ constexpr unsigned OFF_Q = (OFF_BAR + 8 * N_BARS + 1023) / 1024 * 1024;
 constexpr unsigned SMEM_FIXED = OFF_Q + 1024;  // + dch Q slabs; + 1024: the base's alignment slack
 static_assert(SMEM_FIXED + MAX_DCH * Q_SLAB <= 232448, "exceeds the 227 KB of shared memory of an sm_90 CTA");
 static_assert(NWG * STAGES * SLAB >= 128 * 64 * 4 + 8 * GP * 4, "the final reductions' scratch fits the rings");
-constexpr int REG_PROD = 24, REG_CONS = 240;
+constexpr int REG_PROD = 40, REG_CONS = 232;  // SPARSE's gathering producer needs more than 24
 static_assert(REG_PROD * 128 + REG_CONS * 128 * NWG <= 65536, "register budget");
 
 struct IndexerParams {
@@ -71,11 +75,14 @@ struct IndexerParams {
   void* dqi;  // [B, G, Sq, Di]: the inputs' dtype, or float32 (dqi_f32)
   float* dki;  // [B, Sk, Di] float32, zeroed
   void* dw;  // [B, G, Sq], dtype dw_dtype
-  long long swb, swg, swn;
-  int h, g, nq, nk, di, dch, causal, w_dtype, dw_dtype, dqi_f32, need_dqi, need_dki, need_dw;
+  const int* topk;  // SPARSE: [B, Sq, topk_w] each row's key set, sorted, -1 padding and repeats
+  const unsigned short* kp;  // SPARSE: k and ki (16-bit), gathered row by row with cp.async
+  const unsigned short* kip;
+  long long swb, swg, swn, skb, skn, skib, skin;  // strides in elements
+  int h, g, nq, nk, d, di, dch, causal, w_dtype, dw_dtype, dqi_f32, need_dqi, need_dki, need_dw, topk_w;
   float c_log2, inv_h, coef_scalar;
 };
-static_assert(sizeof(IndexerParams) == 704, "PARAMS_BYTES in _indexer.py packs this layout");
+static_assert(sizeof(IndexerParams) == 768, "PARAMS_BYTES in _indexer.py packs this layout");
 
 #define KL_LOG2E 1.4426950408889634f
 #define KL_LN2 0.6931471805599453f
@@ -132,7 +139,7 @@ KL_DEV Row row_of(const IndexerParams& p) {
   r.b = blockIdx.y, r.row = p.nq - 1 - blockIdx.x;
   r.at = (long long)r.b * p.nq + r.row;
   r.key_end = KL_KEY_END(r.row, causal_offset(p.nq, p.nk), p.nk, p.causal);
-  r.tiles = r.key_end > 0 ? (r.key_end + BN - 1) / BN : 0;
+  r.tiles = r.key_end <= 0 ? 0 : ((SPARSE ? p.topk_w : r.key_end) + BN - 1) / BN;
   r.a = r.bc = r.da = r.db = p.coef_scalar;
   if (GRADS && p.coef != nullptr) {
     const long long rows = (long long)gridDim.y * p.nq;
@@ -143,9 +150,70 @@ KL_DEV Row row_of(const IndexerParams& p) {
   return r;
 }
 
+// Key slot e of the row's key tiles: (the key's position, whether the row admits it). Dense: the
+// keys in order up to key_end; SPARSE: entry e of the row's key set, admitted when it is a key
+// (>= 0, < Sk) that the causal mask lets the row see; a slot not admitted reads key 0, masked.
+KL_DEV int2 key_slot(const IndexerParams& p, const Row& r, int e) {
+  if (!SPARSE) return make_int2(e, e < r.key_end);
+  const int key = e < p.topk_w ? p.topk[r.at * p.topk_w + e] : -1;
+  const bool ok = key >= 0 && key < r.key_end;  // key_end: Sk, or the causal frontier
+  return make_int2(ok ? key : 0, ok);
+}
+
+// SPARSE: the 64 rows of a slab gathered by the 64 threads serving one consumer (x: the slab row,
+// the key slot's key and admission), eight 16-byte cp.async each into the 128-byte-swizzled row
+// TMA would write, zeros past `dim` or for a key not admitted; completion is tracked on `full`
+// (every thread's cp.async.mbarrier.arrive.noinc: the barrier counts the 64 threads).
+KL_DEV void gather_slab(unsigned slab, const unsigned short* row, int col0, int dim, int x, bool ok, unsigned full) {
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const int col = col0 + 8 * j;
+    const int bytes = ok ? 2 * max(0, min(8, dim - col)) : 0;
+    const unsigned short* src = bytes > 0 ? row + col : row;
+    const unsigned dst = slab + x * 128 + ((j ^ (x & 7)) << 4);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
+  }
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(full) : "memory");
+}
+
 KL_DEV void produce(const IndexerParams& p, const Row& r, int warp, int lane, unsigned base) {
-  if (!r.work || lane != 0 || warp >= NWG) return;
+  if (!r.work) return;
   const Bars bars = bars_at(base);
+  if (SPARSE) {  // warps 2c, 2c + 1: consumer c's ring, one slab row per thread
+    if (warp == 0 && lane == 0) {
+      mbar_expect_tx(bars.qi_full, 2 * SLAB);
+      for (int s = 0; s < 2; ++s) tma_load_4d(base + OFF_QI + s * SLAB, &p.qi, 64 * s, 0, r.row, r.b, bars.qi_full);
+      mbar_expect_tx(bars.q_full, p.dch * Q_SLAB);
+      for (int s = 0; s < p.dch; ++s) tma_load_4d(base + OFF_Q + s * Q_SLAB, &p.q, 64 * s, 0, r.row, r.b, bars.q_full);
+    }
+    const int c = warp / 2, x = (warp % 2) * 32 + lane;
+    int n = 0;
+    auto slot = [&](int& n) {  // the next slab of the ring, once its consumer released it
+      const int s = n % STAGES;
+      mbar_wait(bars.empty + 8 * (c * STAGES + s), ((n / STAGES) & 1) ^ 1);
+      ++n;
+      return s;
+    };
+    for (int phase = STATS ? 0 : 1; phase < 2; ++phase) {
+      for (int t = c; t < r.tiles; t += NWG) {
+        const int2 kv = key_slot(p, r, t * BN + x);
+        const unsigned short* krow = p.kp + r.b * p.skb + kv.x * p.skn;
+        const unsigned short* kirow = p.kip + r.b * p.skib + kv.x * p.skin;
+        if (phase == 1) {
+          for (int d = 0; d < p.dch; ++d) {
+            const int s = slot(n);
+            gather_slab(ring_slab(base, c, s), krow, 64 * d, p.d, x, kv.y, bars.full + 8 * (c * STAGES + s));
+          }
+        }
+        for (int h = 0; h < 2; ++h) {
+          const int s = slot(n);
+          gather_slab(ring_slab(base, c, s), kirow, 64 * h, p.di, x, kv.y, bars.full + 8 * (c * STAGES + s));
+        }
+      }
+    }
+    return;
+  }
+  if (lane != 0 || warp >= NWG) return;
   if (warp == 0) {
     mbar_expect_tx(bars.qi_full, 2 * SLAB);
     for (int s = 0; s < 2; ++s) tma_load_4d(base + OFF_QI + s * SLAB, &p.qi, 64 * s, 0, r.row, r.b, bars.qi_full);
@@ -246,7 +314,7 @@ KL_DEV void consume(const IndexerParams& p, const Row& r, int c, int tid, unsign
     if (tid == 0) mbar_arrive(bars.empty + 8 * (c * STAGES + n % STAGES));
   };
   auto wait_full = [&](int n) { mbar_wait(bars.full + 8 * (c * STAGES + n % STAGES), (n / STAGES) & 1); };
-  auto key_of = [&](int t, int i) { return t * BN + 16 * warp + lane / 4 + 8 * i; };
+  auto slot_of = [&](int t, int i) { return key_slot(p, r, t * BN + 16 * warp + lane / 4 + 8 * i); };
   int n = 0;
   mbar_wait(bars.qi_full, 0);
   float lse2;  // natural log
@@ -266,7 +334,7 @@ KL_DEV void consume(const IndexerParams& p, const Row& r, int c, int tid, unsign
       index_scores(z, W, lane, I);
 #pragma unroll
       for (int i = 0; i < 2; ++i)
-        if (key_of(t, i) < r.key_end) lse_merge(m, l, I[i] * KL_LOG2E, 1.f);
+        if (slot_of(t, i).y) lse_merge(m, l, I[i] * KL_LOG2E, 1.f);
     }
     if (lane % 4) m = -KL_INF, l = 0.f;  // a quad's four threads hold the same rows
 #pragma unroll
@@ -344,12 +412,13 @@ KL_DEV void consume(const IndexerParams& p, const Row& r, int c, int tid, unsign
     wgmma_wait<0>();
     fence_regs<32>(z);
     float I[2], qj[2];
+    const int2 slots[2] = {slot_of(t, 0), slot_of(t, 1)};
     index_scores(z, W, lane, I);
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       pj[i] += __shfl_xor_sync(0xffffffffu, pj[i], 1);
       pj[i] += __shfl_xor_sync(0xffffffffu, pj[i], 2);
-      const bool ok = key_of(t, i) < r.key_end;
+      const bool ok = slots[i].y;
       pj[i] = ok ? pj[i] * p.inv_h : 0.f;
       qj[i] = ok ? ex2(I[i] * KL_LOG2E - lse2_2) : 0.f;
       if (WRITE_KL && lane % 4 == 0) {
@@ -402,9 +471,8 @@ KL_DEV void consume(const IndexerParams& p, const Row& r, int c, int tid, unsign
           if (ns == 0) release(n_ki), release(n_ki + 1);  // dqi's GEMM, the last reader of KI, is done
 #pragma unroll
           for (int i = 0; i < 2; ++i) {
-            const int key = key_of(t, i);
-            if (key >= r.key_end) continue;  // masked: dz = 0
-            float* row = p.dki + ((long long)r.b * p.nk + key) * p.di;
+            if (!slots[i].y) continue;  // not admitted: dz = 0
+            float* row = p.dki + ((long long)r.b * p.nk + slots[i].x) * p.di;
 #pragma unroll
             for (int j = 0; j < 8; ++j) {
               const int col = 64 * ns + 8 * j + 2 * (lane % 4);
@@ -529,7 +597,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) indexer_kl(const __grid
     mbar_init(bars.qi_full, 1);
     mbar_init(bars.q_full, 1);
     for (int s = 0; s < NWG * STAGES; ++s) {
-      mbar_init(bars.full + 8 * s, 1);
+      mbar_init(bars.full + 8 * s, SPARSE ? 64 : 1);  // SPARSE: the 64 gathering threads
       mbar_init(bars.empty + 8 * s, 1);  // the consumer's thread 0, once the GEMMs reading it are done
     }
     mbar_init_fence();
