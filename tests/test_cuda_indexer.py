@@ -6,7 +6,8 @@ scaled down (H up to 128 heads on the 576-wide MQA key, G up to 64 indexer heads
 dense and top-k sparse (random sets with padding and keys the mask hides, gathered), key tiles
 that end inside a tile, Sq != Sk both ways (rows that see no key), padded heads and head dims,
 the (B, S, H, D) and [S, B, H, D] layouts read in place, w in float32, and the step's correction
-pass on rows whose given lse leaves T != 1."""
+pass on rows whose given lse leaves T != 1; without a given lse, the teacher's LSE the kernel
+forms."""
 
 from __future__ import annotations
 
@@ -69,7 +70,7 @@ def test_supports_names_what_it_leaves_to_triton():
 
     assert reason() is None and reason(w_dtype=torch.float32) is None and reason(h=128, g=64, d=576) is None
     assert "16-bit dtype" in reason(dtype=torch.float32)
-    assert "needs the teacher's lse" in reason(lse=False)
+    assert reason(lse=False) is None
     assert "MQA teacher" in reason(hk=2)
     assert "up to 128 teacher" in reason(h=256)
     assert "64 indexer" in reason(g=65)
@@ -115,6 +116,23 @@ def test_against_oracle(case, dtype):
     call["topk"] = None if topk is None else topk[:1]
     call["lse"] = _given_lse(wide, torch.float32, causal=causal, scale=call["scale"], topk=call["topk"])
     _check_step(wide, "sum", "cuda", **call)
+
+
+@gpu
+@sm90
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", [CASES[i] for i in (0, 1, 5, 6)], ids=lambda c: "-".join(map(str, c)))
+def test_computed_lse_against_oracle(case, dtype):
+    """Without a given lse the kernel forms the teacher's per-head LSE over each row's admitted
+    keys first (TLSE) and returns it: the forward, the recompute backward and the fused step
+    against the oracle (which checks the returned lse, -inf on rows that see no key)."""
+    h, d, g, di, nq, nk, causal, layout, width = case
+    inputs = make_indexer_inputs(b=2, h=h, hk=1, g=g, nq=nq, nk=nk, d=d, di=di, dtype=dtype, device="cuda",
+                                 layout=layout, seed=nq + h + 2)  # fmt: skip
+    topk = random_topk(2, nq, nk, width, seed=h + 1).to("cuda") if width else None
+    call = dict(causal=causal, scale=192**-0.5, topk=topk)
+    _check(inputs, backend="cuda", **call)
+    _check_step(inputs, "mean", "cuda", **call)
 
 
 @gpu

@@ -3,11 +3,13 @@ pass and dtype), its parameter block, tensor maps and launches on torch's curren
 three entry points of streamkl/_backend.py built from them (no input copied; the teacher's lse is
 copied to a contiguous float32 one, which the statistics return).
 
-    forward             STATS + WRITE_KL: LSE2, then the KL and T, in one launch (SPARSE: the
-                        rows' deduplicated key sets, _indexer_host.key_sets, gathered)
+    forward             STATS + WRITE_KL: LSE2 (and TLSE: the teacher's LSE, when not given),
+                        then the KL and T, in one launch (SPARSE: the rows' deduplicated key
+                        sets, _indexer_host.key_sets, gathered)
     backward            GRADS with a = g [T > 0], b = g / T per row (the recompute backward)
     forward_with_grads  STATS + WRITE_KL + GRADS with a = b = every row's weight in the reduced loss
-                        (T = 1; the teacher streams once), then REDO on the rows whose T is not 1
+                        (T = 1; the teacher streams once, twice with TLSE), then, with a given
+                        lse, REDO on the rows whose T is not 1
                         (docs/indexer.md, "One teacher pass per training step")
 """
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import itertools
 import math
 import struct
 
@@ -50,13 +53,21 @@ PASSES = {
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
-def instantiation(pass_name: str, fp16: bool, sparse: bool) -> dict:
-    return dict(PASSES[pass_name], KL_FP16=int(fp16), SPARSE=int(sparse))
+def instantiation(pass_name: str, fp16: bool, sparse: bool, teacher_lse: bool = False) -> dict:
+    """TLSE (the forward and the step of a call without a given lse): the kernel walks the row's
+    keys once more over the teacher alone for its per-head LSE, and writes it."""
+    tlse = teacher_lse and PASSES[pass_name]["STATS"]
+    return dict(PASSES[pass_name], KL_FP16=int(fp16), SPARSE=int(sparse), TLSE=int(tlse))
 
 
 def shipped_instantiations() -> list[dict]:
     """Every instantiation a supported input can select (CI compiles each of them)."""
-    return [instantiation(name, f, s) for name in PASSES for f in (False, True) for s in (False, True)]
+    out = []
+    for name, f, s, t in itertools.product(PASSES, (False, True), (False, True), (False, True)):
+        if t and not PASSES[name]["STATS"]:
+            continue
+        out.append(instantiation(name, f, s, t))
+    return out
 
 
 def smem_bytes(d: int) -> int:
@@ -94,7 +105,7 @@ def _launch(pass_name: str, spec: IndexerKLSpec, inputs: IndexerKLInputs, out: d
     q, k, qi, ki, w = inputs[:5]
     dev = q.device
     index = dev.index if dev.index is not None else torch.cuda.current_device()
-    consts = instantiation(pass_name, q.dtype == torch.float16, spec.sparse)
+    consts = instantiation(pass_name, q.dtype == torch.float16, spec.sparse, inputs.lse is None)
     handle = kernel(tuple(sorted(consts.items())), index)
 
     def ptr(name):
@@ -157,13 +168,16 @@ def _launch(pass_name: str, spec: IndexerKLSpec, inputs: IndexerKLInputs, out: d
         raise RuntimeError(f"cuLaunchKernel of {ENTRY} {consts} failed: {err!r}")
 
 
-def _teacher_lse(inputs: IndexerKLInputs) -> torch.Tensor:
+def _teacher_lse(spec: IndexerKLSpec, inputs: IndexerKLInputs) -> torch.Tensor:
+    """The given lse as float32 contiguous (a copy), or the buffer the kernel writes it into."""
+    if inputs.lse is None:
+        return torch.empty((spec.batch, spec.heads, spec.nq), device=inputs.q.device, dtype=torch.float32)
     return inputs.lse.to(dtype=torch.float32, copy=True).contiguous()
 
 
 def _row_stats(spec: IndexerKLSpec, inputs: IndexerKLInputs) -> dict:
     kl = torch.empty((spec.batch, spec.nq), device=inputs.q.device, dtype=torch.float32)
-    out = dict(lse=_teacher_lse(inputs), lse2=torch.empty_like(kl), kl=kl, mass=torch.empty_like(kl))
+    out = dict(lse=_teacher_lse(spec, inputs), lse2=torch.empty_like(kl), kl=kl, mass=torch.empty_like(kl))
     if spec.sparse:
         out["topk"] = key_sets(inputs.topk)
     return out
@@ -225,7 +239,7 @@ def forward_with_grads(
         _launch("step", spec, inputs, out, scalar=weight)
     else:  # every row's coefficients the device's 0-d weight
         _launch("step", spec, inputs, out, coef=weight.expand(4, *out["kl"].shape).contiguous())
-    if any(spec.needs):
+    if inputs.lse is not None and any(spec.needs):  # a computed lse leaves T = 1 to rounding
         kl = out["kl"]
         weights = torch.full_like(kl, weight) if isinstance(weight, float) else weight.expand_as(kl)
         whole, delta = correction_coefs(weights, out["mass"], out["lse2"])
@@ -245,8 +259,6 @@ def supports(spec: IndexerKLSpec, inputs: IndexerKLInputs) -> str | None:
         return f"the cuda backend's indexer_kl takes w in float32, bfloat16 or float16; got {w.dtype}"
     if spec.packed:
         return "the cuda backend's indexer_kl does not run packed sequences"
-    if inputs.lse is None:
-        return "the cuda backend's indexer_kl needs the teacher's lse (the attention forward's)"
     if spec.heads_kv != 1:
         return "the cuda backend's indexer_kl runs an MQA teacher (one key head, MLA's absorbed mode)"
     if spec.heads > MAX_HEADS or spec.index_heads > MAX_INDEX_HEADS:

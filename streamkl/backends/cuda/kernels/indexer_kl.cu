@@ -40,7 +40,7 @@
 #include "sm90.cuh"
 
 #if !defined(KL_FP16) || !defined(STATS) || !defined(WRITE_KL) || !defined(GRADS) || !defined(REDO) || \
-    !defined(SPARSE)
+    !defined(SPARSE) || !defined(TLSE)
 #error "the launcher (_indexer.py) defines every instantiation constant"
 #endif
 
@@ -66,7 +66,7 @@ static_assert(REG_PROD * 128 + REG_CONS * 128 * NWG <= 65536, "register budget")
 
 struct IndexerParams {
   TensorMap q, k, qi, ki;
-  const float* lse;  // [B, H, Sq] natural log
+  float* lse;  // [B, H, Sq] natural log: read, or written (TLSE)
   float* lse2;  // [B, Sq]: written (STATS) or read
   const void* w;  // (B, G, Sq), strides below, dtype w_dtype
   const float* coef;  // [4][B Sq] (a, b, da, db), or null: each is coef_scalar
@@ -194,20 +194,23 @@ KL_DEV void produce(const IndexerParams& p, const Row& r, int warp, int lane, un
       ++n;
       return s;
     };
-    for (int phase = STATS ? 0 : 1; phase < 2; ++phase) {
+    for (int phase = 0; phase < 3; ++phase) {  // LSE2 (KI), the teacher's LSE (K), the main walk (both)
+      if ((phase == 0 && !STATS) || (phase == 1 && !TLSE)) continue;
       for (int t = c; t < r.tiles; t += NWG) {
         const int2 kv = key_slot(p, r, t * BN + x);
         const unsigned short* krow = p.kp + r.b * p.skb + kv.x * p.skn;
         const unsigned short* kirow = p.kip + r.b * p.skib + kv.x * p.skin;
-        if (phase == 1) {
+        if (phase > 0) {
           for (int d = 0; d < p.dch; ++d) {
             const int s = slot(n);
             gather_slab(ring_slab(base, c, s), krow, 64 * d, p.d, x, kv.y, bars.full + 8 * (c * STAGES + s));
           }
         }
-        for (int h = 0; h < 2; ++h) {
-          const int s = slot(n);
-          gather_slab(ring_slab(base, c, s), kirow, 64 * h, p.di, x, kv.y, bars.full + 8 * (c * STAGES + s));
+        if (phase != 1) {
+          for (int h = 0; h < 2; ++h) {
+            const int s = slot(n);
+            gather_slab(ring_slab(base, c, s), kirow, 64 * h, p.di, x, kv.y, bars.full + 8 * (c * STAGES + s));
+          }
         }
       }
     }
@@ -232,6 +235,9 @@ KL_DEV void produce(const IndexerParams& p, const Row& r, int warp, int lane, un
   };
   if (STATS)
     for (int t = c; t < r.tiles; t += NWG) load(&p.ki, 0, t * BN), load(&p.ki, 64, t * BN);
+  if (TLSE)
+    for (int t = c; t < r.tiles; t += NWG)
+      for (int s = 0; s < p.dch; ++s) load(&p.k, 64 * s, t * BN);
   for (int t = c; t < r.tiles; t += NWG) {
     for (int s = 0; s < p.dch; ++s) load(&p.k, 64 * s, t * BN);
     load(&p.ki, 0, t * BN), load(&p.ki, 64, t * BN);
@@ -299,8 +305,8 @@ KL_DEV void consume(const IndexerParams& p, const Row& r, int c, int tid, unsign
   float* W = smem_f32(base + OFF_W);
   float* red = smem_f32(base + OFF_RED);
   if (u < NH) {
-    float v = KL_INF;  // padding heads and heads that saw no key add nothing to p
-    if (u < p.h) {
+    float v = KL_INF;  // padding heads and heads that saw no key add nothing to p (TLSE: set below)
+    if (u < p.h && !TLSE) {
       const float x = p.lse[((long long)r.b * p.h + u) * p.nq + r.row];
       if (x > -KL_INF) v = x * KL_LOG2E;
     }
@@ -363,12 +369,12 @@ KL_DEV void consume(const IndexerParams& p, const Row& r, int c, int tid, unsign
 #pragma unroll
   for (int x = 0; x < 16; ++x) dwp[x] = 0.f;
   float mass = 0.f, ratio = 0.f;
-  mbar_wait(bars.q_full, 0);
-  for (int t = c; t < r.tiles; t += NWG) {
-    float s[64], z[32];
+  // S^T = K Q^T of the next key tile: the first 64 columns overwrite the accumulators, then the
+  // other D/64 - 1 slabs; each slab is released once the GEMM after it completes.
+  auto teacher_gemm = [&](float* s) {
     wait_full(n);
     wgmma_fence();
-    {  // S^T over the first 64 columns (overwriting the accumulators), then the other D/64 - 1 slabs
+    {
       const unsigned long long da = smem_desc(ring_slab(base, c, n % STAGES)), db = smem_desc(base + OFF_Q);
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) {
@@ -392,6 +398,53 @@ KL_DEV void consume(const IndexerParams& p, const Row& r, int c, int tid, unsign
     wgmma_wait<0>();
     fence_regs<64>(s);
     release(n - 1);  // the last K slab
+  };
+  mbar_wait(bars.q_full, 0);
+  if (TLSE) {  // the teacher's per-head LSE over the row's admitted keys: column sums of S^T
+    float tm[32], tl[32];  // log2-domain state of the thread's 32 columns, over its rows
+#pragma unroll
+    for (int x = 0; x < 32; ++x) tm[x] = -KL_INF, tl[x] = 0.f;
+    for (int t = c; t < r.tiles; t += NWG) {
+      float s[64];
+      teacher_gemm(s);
+      const bool ok0 = slot_of(t, 0).y, ok1 = slot_of(t, 1).y;
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+#pragma unroll
+        for (int k = 0; k < 2; ++k) {
+          const float v0 = ok0 ? s[KL_IDX(j, 0, k)] * p.c_log2 : -KL_INF;
+          const float v1 = ok1 ? s[KL_IDX(j, 1, k)] * p.c_log2 : -KL_INF;
+          const float mx = fmaxf(tm[2 * j + k], fmaxf(v0, v1));
+          if (mx > -KL_INF) tl[2 * j + k] = tl[2 * j + k] * ex2(tm[2 * j + k] - mx) + ex2(v0 - mx) + ex2(v1 - mx), tm[2 * j + k] = mx;
+        }
+      }
+    }
+    float2* part = reinterpret_cast<float2*>(smem_f32(base + OFF_DZ));  // [8 warps][NH]: the dz slabs, idle
+#pragma unroll
+    for (int x = 0; x < 32; ++x) {
+#pragma unroll
+      for (int o = 4; o < 32; o *= 2)
+        lse_merge(tm[x], tl[x], __shfl_xor_sync(0xffffffffu, tm[x], o), __shfl_xor_sync(0xffffffffu, tl[x], o));
+    }
+    if (lane < 4) {
+#pragma unroll
+      for (int j = 0; j < 16; ++j)
+#pragma unroll
+        for (int k = 0; k < 2; ++k) part[(c * 4 + warp) * NH + 8 * j + 2 * lane + k] = make_float2(tm[2 * j + k], tl[2 * j + k]);
+    }
+    bar_sync(1, 128 * NWG);
+    if (u < NH) {
+      float m = -KL_INF, l = 0.f;
+      for (int x = 0; x < 4 * NWG; ++x) lse_merge(m, l, part[x * NH + u].x, part[x * NH + u].y);
+      const float lse_h = m == -KL_INF ? -KL_INF : m + __log2f(l);  // log2 units
+      L[u] = u < p.h && lse_h > -KL_INF ? lse_h : KL_INF;
+      if (u < p.h) p.lse[((long long)r.b * p.h + u) * p.nq + r.row] = lse_h * KL_LN2;
+    }
+    bar_sync(1, 128 * NWG);  // L is whole, and the dz slabs are free again
+  }
+  for (int t = c; t < r.tiles; t += NWG) {
+    float s[64], z[32];
+    teacher_gemm(s);
     // The mixture first, so S is dead before z's accumulators are live (the consumer's 240 registers
     // hold dqi, S and the dw sums, or dqi, z, dz and dki).
     float pj[2] = {0.f, 0.f};
@@ -569,6 +622,7 @@ KL_DEV void write_idle(const IndexerParams& p, const Row& r, int u) {
     if (STATS) p.lse2[r.at] = -KL_INF;
     if (WRITE_KL) p.kl[r.at] = 0.f, p.mass[r.at] = 0.f;
   }
+  if (TLSE && u < p.h) p.lse[((long long)r.b * p.h + u) * p.nq + r.row] = -KL_INF;
   if (!GRADS) return;
   if (p.need_dw && u < p.g) store_any(p.dw, ((long long)r.b * p.g + u) * p.nq + r.row, p.dw_dtype, 0.f);
   if (p.need_dqi) {
