@@ -1,6 +1,6 @@
 """indexer_kl on the cuda backend (streamkl/_backend.py's protocol; docs/indexer.md, "The cuda
 backend"): one CTA per query row with the row's teacher queries resident in shared memory
-(kernels/indexer_kl.cu), dense or top-k sparse, with the teacher's lse given and an MQA teacher;
+(kernels/indexer_kl.cu), dense or top-k sparse, with an MQA teacher;
 `supports` names what it leaves to triton."""
 
 from __future__ import annotations
