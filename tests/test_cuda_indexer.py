@@ -25,19 +25,14 @@ pytest.importorskip("cuda.core")
 
 from streamkl.backends.cuda import _indexer, _jit  # noqa: E402
 
-
-def _on_sm90() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-
-
-gpu = pytest.mark.gpu
-sm90 = pytest.mark.skipif(not _on_sm90(), reason="needs an sm_90 GPU")
+from .test_cuda import gpu, sm90  # noqa: E402
 
 
 def _build_id(c):
     passes = {tuple(v.values()): k for k, v in _indexer.PASSES.items()}
     name = passes[(c["STATS"], c["WRITE_KL"], c["GRADS"], c["REDO"])]
-    return f"{name}-{'fp16' if c['KL_FP16'] else 'bf16'}{'-sparse' if c['SPARSE'] else ''}"
+    flags = "".join(f"-{flag.lower()}" for flag in ("SPARSE", "TLSE") if c[flag])
+    return f"{name}-{'fp16' if c['KL_FP16'] else 'bf16'}{flags}"
 
 
 @pytest.mark.parametrize("consts", _indexer.shipped_instantiations(), ids=_build_id)

@@ -48,20 +48,24 @@ def supports(spec: AttnKLSpec, inputs: AttnKLInputs) -> str | None:
     if len(dtypes) != 1 or q1.dtype not in _DTYPES:
         got = ", ".join(sorted(str(d) for d in dtypes))
         return f"the cuda backend takes one dtype, float16 or bfloat16, for all four inputs; got {got}"
-    from ._launch import MAX_D, tma_reason
+    from ._launch import MAX_D
 
     if spec.d1 > MAX_D or spec.d2 > MAX_D:
         return f"the cuda backend runs head dims up to {MAX_D}; got D1={spec.d1}, D2={spec.d2}"
     if spec.heads > _MAX_GRID_YZ or spec.num_seqs > _MAX_GRID_YZ:
         return f"the cuda backend runs at most {_MAX_GRID_YZ} heads and batches (or packed sequences)"
-    reason = _toolchain() or _arch_reason(q1.device.index or 0)
-    if reason is not None:
-        return reason
-    for name, t in zip(("q1", "k1", "q2", "k2"), (q1, k1, q2, k2)):
-        reason = tma_reason(t, name)
-        if reason is not None:
-            return reason
-    return None
+    return runtime_reason(q1.device, dict(q1=q1, k1=k1, q2=q2, k2=k2))
+
+
+def runtime_reason(device: torch.device, tma_inputs: dict) -> str | None:
+    """What every op of this backend needs beyond its own limits: cuda-python with NVRTC, an sm_90
+    GPU, and TMA able to address each named input in place; the first missing, or None."""
+    from ._launch import tma_reason
+
+    reason = _toolchain() or _arch_reason(device.index or 0)
+    for name, t in tma_inputs.items():
+        reason = reason or tma_reason(t, name)
+    return reason
 
 
 def auto_declines(spec: AttnKLSpec, inputs: AttnKLInputs) -> str | None:

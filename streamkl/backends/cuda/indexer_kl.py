@@ -6,7 +6,7 @@ backend"): one CTA per query row with the row's teacher queries resident in shar
 from __future__ import annotations
 
 from ..._spec import IndexerKLInputs, IndexerKLSpec
-from .attn_kl import _arch_reason, _toolchain
+from .attn_kl import runtime_reason
 
 op = "indexer_kl"
 backward_backend = None
@@ -17,16 +17,9 @@ def supports(spec: IndexerKLSpec, inputs: IndexerKLInputs) -> str | None:
     if q.device.type != "cuda":
         return "the cuda backend runs CUDA tensors only"
     from . import _indexer
-    from ._launch import tma_reason
 
-    reason = _indexer.supports(spec, inputs) or _toolchain() or _arch_reason(q.device.index or 0)
-    if reason is not None:
-        return reason
-    for name, t in zip(("q", "k", "qi", "ki"), inputs[:4]):
-        reason = tma_reason(t, name)
-        if reason is not None:
-            return reason
-    return None
+    named = dict(zip(("q", "k", "qi", "ki"), inputs[:4]))
+    return _indexer.supports(spec, inputs) or runtime_reason(q.device, named)
 
 
 def auto_declines(spec: IndexerKLSpec, inputs: IndexerKLInputs) -> str | None:
