@@ -132,19 +132,22 @@ def test_computed_lse_against_oracle(case, dtype):
 
 @gpu
 @sm90
-def test_step_corrects_rows_whose_given_lse_is_not_the_admitted_keys():
-    """A given lse that is not over the admitted keys (here the unmasked one under the causal
-    mask, some heads' shifted) leaves T != 1 on every row: the correction pass makes the fused
-    step's gradients those of the op's definition, and auto takes the cuda backend."""
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+def test_step_corrects_rows_whose_given_lse_is_not_the_admitted_keys(sparse):
+    """A given lse that is not over the admitted keys (here the unmasked dense one under the
+    causal mask, some heads' shifted; in sparse mode also not over the key set) leaves T != 1 on
+    every row: the correction pass makes the fused step's gradients those of the op's definition,
+    and auto takes the cuda backend."""
     inputs = make_indexer_inputs(b=1, h=32, hk=1, g=16, nq=96, nk=160, d=576, di=128, dtype=torch.bfloat16,
                                  device="cuda", seed=5)  # fmt: skip
+    topk = random_topk(1, 96, 160, 80, seed=6).to("cuda") if sparse else None
     lse = _given_lse(inputs, torch.float32, causal=False)
     lse[:, :3] += 0.7
-    spec = _spec_of(inputs, lse=lse, topk=None, causal=True, scale=None)
-    picked = _dispatch.select("indexer_kl", spec, IndexerKLInputs(*inputs, lse), "auto")
+    spec = _spec_of(inputs, lse=lse, topk=topk, causal=True, scale=None)
+    picked = _dispatch.select("indexer_kl", spec, IndexerKLInputs(*inputs, lse, topk), "auto")
     assert picked is _dispatch.implementation("cuda", "indexer_kl")
-    _check_step(inputs, "mean", "cuda", lse=lse, causal=True)
-    _check(inputs, backend="cuda", lse=lse, causal=True)
+    _check_step(inputs, "mean", "cuda", lse=lse, causal=True, topk=topk)
+    _check(inputs, backend="cuda", lse=lse, causal=True, topk=topk)
 
 
 @gpu

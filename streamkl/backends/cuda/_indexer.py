@@ -272,7 +272,7 @@ def supports(spec: IndexerKLSpec, inputs: IndexerKLInputs) -> str | None:
             f"dims up to {MAX_DI}; got D={spec.d}, Di={spec.di}"
         )
     if spec.batch > 65535 or spec.nq >= 2**31:
-        return "the cuda backend's indexer_kl runs at most 65535 batches"
+        return "the cuda backend's indexer_kl runs at most 65535 batches of fewer than 2^31 rows"
     if torch.are_deterministic_algorithms_enabled():
         return "the cuda backend's indexer_kl adds dki with atomics (deterministic mode runs triton's)"
     if not math.isfinite(spec.scale):

@@ -19,11 +19,12 @@
 //   entries of the row's key set, gathered: Hopper's TMA has no gather): warps 2c and 2c + 1 fill
 //   consumer c's ring instead, each thread one slab row by cp.async. Warp 0 (lane 0) also loads
 //   the row's QI (64 heads x 128, on qi_full) and Q (128 heads x D, on q_full) once by TMA.
-//   Warpgroups 1..2 are the consumers (setmaxnreg.inc to 232): consumer c takes key tiles c, c + 2, ... of the row, so the
-//   two never wait on each other inside the loop and one's GEMMs run under the other's exponentials.
-//   A K slab is released (one arrive) when the GEMM after it completes, the KI slabs after dqi's GEMM.
-//   After the loop the consumers meet once: consumer 1 hands its dqi and both their dw and KL sums to
-//   consumer 0 through the (idle) ring, which writes the row's outputs.
+//   Warpgroups 1..2 are the consumers (setmaxnreg.inc to 232): consumer c takes key tiles c, c + 2,
+//   ... of the row, so the two never wait on each other inside the loop and one's GEMMs run under
+//   the other's exponentials. A K slab is released (one arrive) once the GEMM reading it has
+//   completed, the KI slabs after dqi's GEMM. After the loop the consumers meet once: consumer 1
+//   hands its dqi and both their dw sums to consumer 0 through the (idle) ring and their KL sums
+//   through the scratch; consumer 0 writes the row's outputs.
 // Shared memory, 1024-byte-aligned 128-byte-swizzled slabs as TMA writes them: QI (2 slabs), dz^T of
 //   each consumer (one slab, written by the consumer, read by dqi's wgmma as an MN-major A), the rings
 //   (NWG x STAGES slabs), L_h (log2 units, +inf for padding heads), w_g (0 for padding heads), a
