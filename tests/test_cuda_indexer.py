@@ -76,6 +76,11 @@ def test_supports_names_what_it_leaves_to_triton():
     spec = _spec_of(inputs, lse=torch.zeros(1, 2, 4), topk=None, causal=True, scale=None)
     impl = _dispatch.implementation("cuda", "indexer_kl")
     assert impl.supports(spec, IndexerKLInputs(*inputs)) == "the cuda backend runs CUDA tensors only"
+    # auto passes it by below 64 teacher heads (it pads them to 128), and takes it from there
+    assert "pads them to 128" in impl.auto_declines(spec, IndexerKLInputs(*inputs))
+    wide = make_indexer_inputs(h=64, nq=4, nk=4, dtype=torch.bfloat16)
+    wide_spec = _spec_of(wide, lse=None, topk=None, causal=True, scale=None)
+    assert impl.auto_declines(wide_spec, IndexerKLInputs(*wide)) is None
 
 
 CASES = [
@@ -138,7 +143,7 @@ def test_step_corrects_rows_whose_given_lse_is_not_the_admitted_keys(sparse):
     causal mask, some heads' shifted; in sparse mode also not over the key set) leaves T != 1 on
     every row: the correction pass makes the fused step's gradients those of the op's definition,
     and auto takes the cuda backend."""
-    inputs = make_indexer_inputs(b=1, h=32, hk=1, g=16, nq=96, nk=160, d=576, di=128, dtype=torch.bfloat16,
+    inputs = make_indexer_inputs(b=1, h=64, hk=1, g=16, nq=96, nk=160, d=576, di=128, dtype=torch.bfloat16,
                                  device="cuda", seed=5)  # fmt: skip
     topk = random_topk(1, 96, 160, 80, seed=6).to("cuda") if sparse else None
     lse = _given_lse(inputs, torch.float32, causal=False)

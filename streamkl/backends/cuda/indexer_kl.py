@@ -22,7 +22,19 @@ def supports(spec: IndexerKLSpec, inputs: IndexerKLInputs) -> str | None:
     return _indexer.supports(spec, inputs) or runtime_reason(q.device, named)
 
 
+# The kernel stacks a row's teacher heads as one 128-wide GEMM operand, missing heads zero: below
+# this many heads it does 128 / H times the teacher's work, about twice as fast a unit as the
+# triton backend's (docs/indexer.md, Measured on one H200), so triton, whose tiles follow H, is
+# expected faster there (a work model: small H is not yet measured).
+AUTO_MIN_HEADS = 64
+
+
 def auto_declines(spec: IndexerKLSpec, inputs: IndexerKLInputs) -> str | None:
+    if spec.heads < AUTO_MIN_HEADS:
+        return (
+            f"{spec.heads} teacher heads: the cuda kernel pads them to 128 and does {128 / spec.heads:.3g}x "
+            "the teacher's work; auto takes triton below 64 heads"
+        )
     return None
 
 
