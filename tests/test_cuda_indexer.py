@@ -72,6 +72,12 @@ def test_supports_names_what_it_leaves_to_triton():
     assert "head dims up to 576" in reason(d=640)
     assert "Di=130" in reason(di=130)
     assert reason(topk=torch.zeros(1, 8, 4, dtype=torch.int64)) is None
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert "atomics" in reason()
+    finally:
+        torch.use_deterministic_algorithms(previous)
     inputs = make_indexer_inputs(h=2, nq=4, nk=4, dtype=torch.bfloat16)
     spec = _spec_of(inputs, lse=torch.zeros(1, 2, 4), topk=None, causal=True, scale=None)
     impl = _dispatch.implementation("cuda", "indexer_kl")
