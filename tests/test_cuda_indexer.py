@@ -89,6 +89,27 @@ def test_supports_names_what_it_leaves_to_triton():
     assert impl.auto_declines(wide_spec, IndexerKLInputs(*wide)) is None
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("nq, nk", [(7, 11), (11, 7), (5, 0)])
+def test_row_weight_counts_the_rows_the_oracle_does(nq, nk, causal):
+    """The fused step's "mean" weight, known before the launch (from the shapes, or from the key
+    sets on the device), is 1 / the rows whose student LSE the oracle finds finite."""
+    from streamkl._indexer_host import key_sets
+    from streamkl._spec import reduced_row_weight
+
+    from .indexer_oracle import admitted_mask
+
+    inputs = make_indexer_inputs(b=2, h=2, g=3, nq=nq, nk=nk, d=8, di=4)
+    for topk in (None, random_topk(2, nq, nk, 4, seed=nq + nk)):
+        spec = _spec_of(inputs, lse=None, topk=topk, causal=causal, scale=None)
+        seen = admitted_mask(2, nq, nk, causal, topk, None).any(-1)
+        lse2 = torch.where(seen, 0.0, float("-inf"))
+        want = reduced_row_weight(lse2, "mean").item()
+        got = _indexer.row_weight(spec, "mean", None if topk is None else key_sets(topk))
+        assert float(got) == pytest.approx(want, rel=1e-6)
+        assert _indexer.row_weight(spec, "sum", None) == 1.0
+
+
 CASES = [
     # (h, d, g, di, nq, nk, causal, layout, top-k width: 0 dense)
     (128, 576, 64, 128, 300, 337, True, "bnhd", 0),  # the MQA training shape, Sq < Sk

@@ -216,7 +216,7 @@ def row_weight(spec: IndexerKLSpec, reduction: str, sets: torch.Tensor | None):
         return 1.0
     off = causal_offset(spec.nq, spec.nk)
     if sets is None:
-        seen = spec.nq if not spec.causal else max(0, spec.nq - max(0, -off))
+        seen = 0 if spec.nk == 0 else spec.nq if not spec.causal else max(0, spec.nq - max(0, -off))
         return 1.0 / max(1, spec.batch * seen)
     end = torch.arange(spec.nq, device=sets.device, dtype=torch.int32)[:, None] + (off + 1)
     end = end.clamp(max=spec.nk) if spec.causal else torch.full_like(end, spec.nk)
