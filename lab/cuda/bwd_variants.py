@@ -9,6 +9,11 @@ Variants: each a list of (anchor, replacement) patches; every anchor must occur 
   persistent  about one CTA per SM (GRIDS), each walking several key tiles of its key head with
             the next one's K tiles loading under the current one (two K stages; two query
             stages at D = 128): for decode, where one key tile has one query tile.
+  setting2  the backward of setting 2 (dq1, dk1; the student fixed) on the same schedule:
+            dS1 = G P1 (r - KL) with r = ln 2 (e1 - e2) from the logits (one exponential where
+            setting 1 takes two), dk1 += dS1^T Q1, dq1 = dS1 K1, the forward's KL a fourth row
+            term; teacher and student key heads alike (g1 = g2). Checked and timed by its own
+            path (run_setting2) against float64 and the triton backward's setting 2.
 Ablations (timing only, wrong results by design; what a stage costs is the difference):
   no-red    the dq adds are never issued (the dQ GEMM still runs and its result stays live).
   no-exp    dS = G (c2 S2 - L2 - c1 S1 + L1): no exponential (the MUFU's share).
@@ -339,6 +344,74 @@ KL_DEV BwdBars bwd_bars(unsigned base) {
 ]
 
 
+SETTING2 = [
+    (
+        "constexpr unsigned ROW_BYTES = 3 * BM * 4;  // L1, L2, G of a query tile's rows",
+        "constexpr unsigned ROW_BYTES = 4 * BM * 4;  // L1, L2, G, KL of a query tile's rows",
+    ),
+    ("constexpr int DQ_N = D2P / NWG;", "constexpr int DQ_N = D1P / NWG;"),
+    (
+        "  float c1, c2, scale2;  // c_t = scale_t log2(e)\n};",
+        "  float c1, c2, scale2;  // c_t = scale_t log2(e); setting 2: scale2 holds scale1\n"
+        "  const float* kl;  // [B, H, Nq] the forward's KL\n};",
+    ),
+    (
+        "      float l1 = KL_INF, l2 = KL_INF, g = 0.f;  // rows past Nq or that saw no key: P = 0, dS = 0\n",
+        "      float l1 = KL_INF, l2 = KL_INF, g = 0.f, kv = 0.f;  // rows past Nq or that saw no key\n",
+    ),
+    (
+        "if (a > -KL_INF) l1 = a * KL_LOG2E, l2 = p.lse2[row] * KL_LOG2E, g = p.grad[row] * p.scale2;",
+        "if (a > -KL_INF) l1 = a * KL_LOG2E, l2 = p.lse2[row] * KL_LOG2E, g = p.grad[row] * p.scale2,"
+        " kv = p.kl[row];",
+    ),
+    (
+        "      rows[r] = l1, rows[BM + r] = l2, rows[2 * BM + r] = g;",
+        "      rows[r] = l1, rows[BM + r] = l2, rows[2 * BM + r] = g, rows[3 * BM + r] = kv;",
+    ),
+    (
+        "  const unsigned dq_b0 = base + OFF_K2 + (col0 / 64) * SLAB_K + (col0 % 64) * 2;",
+        "  const unsigned dq_b0 = base + OFF_K1 + (col0 / 64) * SLAB_K + (col0 % 64) * 2;",
+    ),
+    ("  float dk[D2P / 2];", "  float dk[D1P / 2];"),
+    ("  for (int x = 0; x < D2P / 2; ++x) dk[x] = 0.f;", "  for (int x = 0; x < D1P / 2; ++x) dk[x] = 0.f;"),
+    (
+        "      const float2 g = *reinterpret_cast<const float2*>(rows + 2 * BM + col);\n",
+        "      const float2 g = *reinterpret_cast<const float2*>(rows + 2 * BM + col);\n"
+        "      const float2 kl = *reinterpret_cast<const float2*>(rows + 3 * BM + col);\n",
+    ),
+    (
+        """        float d0 = g.x * (ex2(fmaf(p.c2, s2[x], -l2.x)) - ex2(fmaf(p.c1, s1[x], -l1.x)));
+        float d1 = g.y * (ex2(fmaf(p.c2, s2[x + 1], -l2.y)) - ex2(fmaf(p.c1, s1[x + 1], -l1.y)));""",
+        """        // dS1 = G P1 (r - KL), r = ln 2 (e1 - e2) from the logits; P1 = 0 adds 0 (never 0 x inf)
+        const float e1a = fmaf(p.c1, s1[x], -l1.x), e1b = fmaf(p.c1, s1[x + 1], -l1.y);
+        const float p1a = ex2(e1a), p1b = ex2(e1b);
+        const float ra = 0.6931471805599453f * (e1a - fmaf(p.c2, s2[x], -l2.x));
+        const float rb = 0.6931471805599453f * (e1b - fmaf(p.c2, s2[x + 1], -l2.y));
+        float d0 = p1a > 0.f ? g.x * p1a * (ra - kl.x) : 0.f;
+        float d1 = p1b > 0.f ? g.y * p1b * (rb - kl.y) : 0.f;""",
+    ),
+    (
+        """      for (int ns = 0; ns < D2P / 64; ++ns)
+        wgmma_m64n64k16_rs_tb<true>(dk + 32 * ns, a + 4 * kk,
+                                    smem_desc_mn(q2_tile + ns * SLAB_Q + kk * 2048, SLAB_Q));""",
+        """      for (int ns = 0; ns < D1P / 64; ++ns)
+        wgmma_m64n64k16_rs_tb<true>(dk + 32 * ns, a + 4 * kk,
+            smem_desc_mn(base + OFF_Q1 + stage * Q1_BYTES + ns * SLAB_Q + kk * 2048, SLAB_Q));""",
+    ),
+    ("    fence_regs<D2P / 2>(dk);", "    fence_regs<D1P / 2>(dk);"),
+    (
+        """    for (int ns = 0; ns < D2P / 64; ++ns) {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const int col = 64 * ns + 8 * j + 2 * (lane % 4);""",
+        """    for (int ns = 0; ns < D1P / 64; ++ns) {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const int col = 64 * ns + 8 * j + 2 * (lane % 4);""",
+    ),
+]
+
+
 def _persistent_grid(spec):
     """About one CTA per SM: the key tiles of each (key head, batch) split over gridDim.x CTAs."""
     import torch
@@ -350,11 +423,21 @@ def _persistent_grid(spec):
     return (max(1, min(key_tiles, sms // (heads * batch))), heads, batch)
 
 
-VARIANTS = {"persistent": PERSISTENT, "no-red": NO_RED, "no-exp": NO_EXP, "no-dsstore": NO_DSSTORE}
+VARIANTS = {
+    "persistent": PERSISTENT,
+    "setting2": SETTING2,
+    "no-red": NO_RED,
+    "no-exp": NO_EXP,
+    "no-dsstore": NO_DSSTORE,
+}
+SETTING2_VARIANTS = {"setting2"}  # checked and timed by run_setting2
 ABLATIONS = {"no-red", "no-exp", "no-dsstore"}  # timed, never checked
 # shared memory a variant needs beyond _bwd.smem_bytes, per instantiation (the second K stage and
 # its two barriers less the one k_full it replaces)
-EXTRA_SMEM_BYTES = {"persistent": lambda c: 128 * (c["D1P"] + c["D2P"]) * 2 + 8 * 3}
+EXTRA_SMEM_BYTES = {
+    "persistent": lambda c: 128 * (c["D1P"] + c["D2P"]) * 2 + 8 * 3,
+    "setting2": lambda c: c["QSTAGES"] * 64 * 4,  # the KL row term
+}
 GRIDS = {"persistent": _persistent_grid}  # a variant's launch grid, where it is not _bwd.launch_grid
 
 
@@ -493,6 +576,120 @@ def run(names, out, timing=True):
         json.dump(res, f, indent=1)
 
 
+def setting2_backward(spec, inputs, stats, grad, loaded=None):
+    """(dq1, dk1) of setting 2 from the setting2 variant (use("setting2") first, or `loaded`:
+    (handle, smem) of its kernel): _bwd.backward's launch with the gradient's side swapped in
+    (dq1, dk1, D1, scale1 in the slots of dq2, dk2, D2, scale2) and the forward's KL appended."""
+    import ctypes
+    import struct
+
+    import torch
+    from cuda.bindings import driver
+
+    from streamkl.backends.cuda import _bwd
+    from streamkl.backends.cuda._launch import LOG2E, padded_dim, tensor_map
+
+    q1, k1, q2, k2, _ = inputs
+    assert spec.heads_kv1 == spec.heads_kv2, "setting2 runs g1 = g2"
+    dq1 = torch.zeros(q1.shape, device=q1.device, dtype=torch.float32)
+    dk1 = torch.empty_like(k1, memory_format=torch.contiguous_format)
+    grad = grad.to(torch.float32).contiguous()
+    kl, lse1, lse2 = (t.to(torch.float32).contiguous() for t in stats)
+    consts = _bwd.shipped(padded_dim(spec.d1), padded_dim(spec.d2), q1.dtype == torch.float16)
+    handle, smem = loaded or _bwd.kernel(tuple(sorted(consts.items())), 0)
+    head = (
+        tensor_map(q1, _bwd.BM) + tensor_map(k1, _bwd.BN) + tensor_map(q2, _bwd.BM) + tensor_map(k2, _bwd.BN)
+        + _bwd._POINTERS.pack(*(t.data_ptr() for t in (lse1, lse2, grad, dq1, dk1)))
+        + _bwd._SCALARS.pack(
+            spec.heads, spec.nq, spec.nk, spec.d1, spec.group1, spec.group2, int(spec.causal),
+            -(-spec.nq // _bwd.BM), spec.scale1 * LOG2E, spec.scale2 * LOG2E, spec.scale1,
+        )
+    )  # fmt: skip
+    head += bytes(-len(head) % 8) + struct.pack("<Q", kl.data_ptr())
+    params = ctypes.create_string_buffer(
+        head + bytes(_bwd.BWD_PARAMS_BYTES - len(head)), _bwd.BWD_PARAMS_BYTES
+    )
+    argv = (ctypes.c_void_p * 1)(ctypes.addressof(params))
+    stream = driver.CUstream(torch._C._cuda_getCurrentRawStream(0))
+    grid = _bwd.launch_grid(spec)
+    (err,) = driver.cuLaunchKernel(handle, *grid, _bwd.THREADS, 1, 1, smem, stream, ctypes.addressof(argv), 0)
+    assert int(err) == 0, err
+    return dq1.to(q1.dtype), dk1
+
+
+def run_setting2(out, timing=True):
+    """setting2 against float64 (dq1, dk1) beside the triton backward's setting 2, on tile edges,
+    D1 != D2, GQA (g1 = g2), decode; then timed beside triton's at 4K-16K and decode shapes."""
+    import torch
+
+    import streamkl
+    from streamkl import _checks
+    from streamkl._spec import AttnKLInputs, AttnKLStats
+    from streamkl.backends.cuda import _bwd
+    from streamkl.backends.cuda import _launch as fwd_launch
+    from streamkl.backends.triton import _launch as triton_launch
+    from streamkl.testing import make_inputs
+
+    needs = (True, True, False, False)
+
+    def case(b, h, hk, nq, nk, d1, d2, causal):
+        q1, k1, q2, k2 = make_inputs(
+            b, h, nq, nk, d1, d2, hk, hk, dtype=torch.bfloat16, device="cuda", seed=nq
+        )
+        inputs = AttnKLInputs(q1, k1, q2, k2, None)
+        spec = _checks.attn_kl_spec(q1, k1, q2, k2, causal=causal, scale1=None, scale2=None).with_needs(needs)
+        stats = AttnKLStats(*fwd_launch.forward(spec, inputs))
+        return spec, inputs, stats, torch.randn(stats.kl.shape, device="cuda")
+
+    def err(got, ref):
+        return ((got.double() - ref).abs().max() / ref.abs().max()).item()
+
+    use("setting2")
+    res = {"check": [], "timing": []}
+    shapes = [(2, 4, 2, 200, 333, 128, 64, True), (1, 3, 3, 513, 513, 40, 128, True),
+              (1, 4, 4, 77, 1000, 96, 128, False), (1, 8, 8, 2048, 2048, 128, 128, True),
+              (1, 32, 32, 16, 8192, 128, 128, True), (1, 4, 1, 65, 63, 64, 64, True)]  # fmt: skip
+    for shape in shapes:
+        spec, inputs, stats, grad = case(*shape)
+        q64 = [t.double().requires_grad_(i < 2) for i, t in enumerate(inputs[:4])]
+        kl64 = streamkl.attn_kl(*q64, causal=spec.causal, reduction="none", backend="reference")
+        ref = torch.autograd.grad(kl64, q64[:2], grad.double())
+        tri = triton_launch.backward(spec, inputs, stats, grad)
+        got = setting2_backward(spec, inputs, stats, grad)
+        rec = {"case": shape, "triton": [err(tri[0], ref[0]), err(tri[1], ref[1])],
+               "setting2": [err(got[0], ref[0]), err(got[1], ref[1])],
+               "finite": bool(torch.isfinite(got[0]).all() and torch.isfinite(got[1]).all())}  # fmt: skip
+        print(rec, flush=True)
+        res["check"].append(rec)
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    timed = [(n, n, c) for n in (4096, 8192, 16384) for c in (False, True)] if timing else []
+    timed += [(1, 131072, True), (16, 32768, True), (64, 32768, False)] if timing else []
+    loaded = _bwd.kernel(tuple(sorted(_bwd.shipped(128, 128, False).items())), 0)
+    for nq, nk, causal in timed:
+        call = case(1, 32, 32, nq, nk, 128, 128, causal)
+        fns = {
+            "triton": functools.partial(triton_launch.backward, *call),
+            "setting2": functools.partial(setting2_backward, *call, loaded=loaded),
+            "gemm": lambda: a @ a,
+        }
+        times = {k: [] for k in fns}
+        for _ in range(3):
+            for k, f in fns.items():
+                times[k].append(_time(torch, f))
+        best = {k: min(v) for k, v in times.items()}
+        rec = {
+            "nq": nq,
+            "nk": nk,
+            "causal": causal,
+            "ms": best,
+            "gemm_tflops": 2 * 8192**3 / best["gemm"] / 1e9,
+        }
+        print(rec, flush=True)
+        res["timing"].append(rec)
+    with open(out, "w") as f:
+        json.dump(res, f, indent=1)
+
+
 def _launch_with(loaded, grid, call):
     """The shipped host path with one variant's loaded kernel ((handle, smem) of _bwd.kernel) and
     launch grid."""
@@ -520,7 +717,7 @@ def _time(torch, fn, reps=10):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--variants", default=",".join(v for v in VARIANTS if v not in SETTING2_VARIANTS))
     ap.add_argument("--compile-only", action="store_true")
     ap.add_argument("--check-only", action="store_true", help="no timing (for compute-sanitizer)")
     ap.add_argument("--out", default="variants.json")
@@ -531,6 +728,10 @@ def main():
         ap.error(f"unknown variants {unknown}; known: {', '.join(VARIANTS)}")
     if args.compile_only:
         compile_report(names)
+    elif set(names) & SETTING2_VARIANTS:
+        if set(names) - SETTING2_VARIANTS:
+            ap.error("setting2 runs alone (its own check and timing)")
+        run_setting2(args.out, timing=not args.check_only)
     else:
         run(names, args.out, timing=not args.check_only)
 
