@@ -16,14 +16,12 @@ import torch
 from triton.testing import do_bench
 
 import streamkl
+from benchmarks.bench import gemm_yardstick
 from benchmarks.indexer_providers import IndexerCase, indexer_kl_flops, make_inputs
 
 
 def gemm_tflops() -> float:
-    n = 8192
-    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    return 2 * n**3 / do_bench(lambda: a @ b, warmup=50, rep=300, return_mode="median") / 1e9
+    return gemm_yardstick(torch.device("cuda"), 8192)["tflops"]  # the benchmark's own yardstick
 
 
 def rel(a, b) -> float:
