@@ -9,7 +9,13 @@
 //   dki += dz QI (RS, red.global.add.v2.f32), dqi += dz^T KI (dz^T through shared memory)
 //                                                           and the sums multiplied back in float32)
 // STATS first walks the row's keys once over KI alone for the student's LSE2 (online, log2 units),
-// while the teacher's queries load.
+// while the teacher's queries load; TLSE then walks them over K alone for the teacher's per-head
+// LSE (the column log-sum-exps of S^T), when the caller gave none.
+//
+// Instantiations (-D macros, _indexer.py's PASSES): KL_FP16 (the 16-bit operand type); STATS
+// (compute and write LSE2, else read it); TLSE (compute and write lse, else read it; only with
+// STATS); WRITE_KL (KL and T); GRADS (dqi, dw written, dki added, each where asked at run time);
+// REDO (the fused step's correction: see below); SPARSE (key tiles gathered from the row's key set).
 //
 // Grid: (Sq, B): CTA x holds row Sq - 1 - x of batch y (under the causal mask the longest rows start
 //   first). __launch_bounds__(THREADS, 1): one CTA per SM (the queries take up to 144 KB).
