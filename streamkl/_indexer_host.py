@@ -49,13 +49,25 @@ def grad_outputs(spec: IndexerKLSpec, inputs: IndexerKLInputs, held: bool = Fals
     return dqi, dki, dw
 
 
+# What key_sets' sort may hold at once beyond its output: a chunk of rows' int32 copy, sorted
+# values and int64 sort indices (16 bytes an entry), so a long sparse call (64K rows of 2048)
+# does not hold 1.5 GiB of them at once.
+KEY_SET_CHUNK_BYTES = 64 * 2**20
+
+
 def key_sets(topk: torch.Tensor) -> torch.Tensor:
     """Each row's top-k set sorted, repeats of an index replaced by -1 (a set counts a key once),
-    int32 contiguous (B, Sq, K): what the kernels gather from."""
-    keys = topk.to(torch.int32).sort(-1).values
-    if keys.shape[-1] > 1:
-        keys[..., 1:].masked_fill_(keys[..., 1:] == keys[..., :-1], -1)
-    return keys.contiguous()
+    int32 contiguous (B, Sq, K): what the kernels gather from. Sorted a chunk of rows at a time
+    (KEY_SET_CHUNK_BYTES)."""
+    b, sq, k = topk.shape
+    out = torch.empty((b, sq, k), device=topk.device, dtype=torch.int32)
+    rows = max(1, KEY_SET_CHUNK_BYTES // max(1, 16 * b * k))
+    for r0 in range(0, sq, rows):
+        keys = topk[:, r0 : r0 + rows].to(torch.int32).sort(-1).values
+        if k > 1:
+            keys[..., 1:].masked_fill_(keys[..., 1:] == keys[..., :-1], -1)
+        out[:, r0 : r0 + rows] = keys
+    return out
 
 
 def inverse_mass(mass: torch.Tensor, has_mass: torch.Tensor) -> torch.Tensor:

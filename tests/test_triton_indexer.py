@@ -100,6 +100,16 @@ def test_key_sets_are_sorted_and_deduplicated():
     got = key_sets(topk)
     assert got.dtype == torch.int32 and got.is_contiguous()
     assert got.tolist() == [[[-1, -1, 0, 2, -1, 5, -1]]]
+    # sorted a chunk of rows at a time: the same sets whatever the chunk
+    from streamkl import _indexer_host
+
+    many = torch.randint(-1, 9, (2, 37, 6))
+    whole = key_sets(many)
+    _indexer_host.KEY_SET_CHUNK_BYTES, saved = 16 * 2 * 6 * 5, _indexer_host.KEY_SET_CHUNK_BYTES  # 5 rows
+    try:
+        assert torch.equal(key_sets(many), whole)
+    finally:
+        _indexer_host.KEY_SET_CHUNK_BYTES = saved
 
 
 def _spec(h, hk, g, d, di, sparse=False, n=4096):
