@@ -555,20 +555,10 @@ def run(names, out, timing=True):
             use(name)  # compiles and loads the variant; its partial keeps that kernel
             loaded = _bwd.kernel(tuple(sorted(_bwd.shipped(128, 128, False).items())), 0)
             fns[name] = functools.partial(_launch_with, loaded, _bwd.launch_grid, call)
-        times = {k: [] for k in fns}
-        for _ in range(3):
-            for k, f in fns.items():
-                times[k].append(_time(torch, f))
-        best = {k: min(v) for k, v in times.items()}
+        rec = _timed(torch, fns, nq, nk, causal)
+        best = rec["ms"]
         off = nk - nq  # bottom-right: row i sees keys j <= i + off
         pairs = sum(min(nk, i + off + 1) for i in range(nq)) if causal else nq * nk
-        rec = {
-            "nq": nq,
-            "nk": nk,
-            "causal": causal,
-            "ms": best,
-            "gemm_tflops": 2 * 8192**3 / best["gemm"] / 1e9,
-        }
         rec["tflops"] = {k: 4 * 2 * 32 * pairs * 128 / v / 1e9 for k, v in best.items() if k != "gemm"}
         print(rec, flush=True)
         res["timing"].append(rec)
@@ -672,18 +662,7 @@ def run_setting2(out, timing=True):
             "setting2": functools.partial(setting2_backward, *call, loaded=loaded),
             "gemm": lambda: a @ a,
         }
-        times = {k: [] for k in fns}
-        for _ in range(3):
-            for k, f in fns.items():
-                times[k].append(_time(torch, f))
-        best = {k: min(v) for k, v in times.items()}
-        rec = {
-            "nq": nq,
-            "nk": nk,
-            "causal": causal,
-            "ms": best,
-            "gemm_tflops": 2 * 8192**3 / best["gemm"] / 1e9,
-        }
+        rec = _timed(torch, fns, nq, nk, causal)
         print(rec, flush=True)
         res["timing"].append(rec)
     with open(out, "w") as f:
@@ -701,6 +680,17 @@ def _launch_with(loaded, grid, call):
         return _bwd.backward(*call)
     finally:
         _bwd.kernel, _bwd.launch_grid = saved
+
+
+def _timed(torch, fns, nq, nk, causal) -> dict:
+    """Each of `fns` (one of them "gemm", the 8192^3 yardstick) timed in three interleaved
+    rounds, the best of each kept."""
+    times = {k: [] for k in fns}
+    for _ in range(3):
+        for k, f in fns.items():
+            times[k].append(_time(torch, f))
+    best = {k: min(v) for k, v in times.items()}
+    return {"nq": nq, "nk": nk, "causal": causal, "ms": best, "gemm_tflops": 2 * 8192**3 / best["gemm"] / 1e9}
 
 
 def _time(torch, fn, reps=10):
