@@ -497,7 +497,10 @@ def use(name: str) -> None:
     _bwd.kernel.cache_clear()
 
 
-def run(names, out, timing=True):
+SMALL_PAIRS = 1_000_000  # --small keeps the check cases of at most this many (row, key) pairs
+
+
+def run(names, out, timing=True, small=False):
     import torch
 
     import streamkl
@@ -529,7 +532,9 @@ def run(names, out, timing=True):
               (1, 4, 2, 4, 77, 1000, 96, 128, False), (1, 8, 8, 8, 2048, 2048, 128, 128, True),
               # the persistent grid walks several key tiles a CTA on these (4 CTAs a head at 32 heads)
               (1, 32, 32, 32, 1, 131072, 128, 128, True),
-              (1, 32, 16, 32, 1000, 3000, 128, 128, True)]  # fmt: skip
+              (1, 32, 16, 32, 1000, 3000, 128, 128, True),
+              (1, 32, 16, 32, 64, 3000, 128, 128, True)]  # fmt: skip
+    shapes = [s for s in shapes if not small or s[4] * s[5] <= SMALL_PAIRS]
     for shape in shapes:
         spec, inputs, stats, grad = case(*shape)
         q64 = [t.double().requires_grad_(i >= 2) for i, t in enumerate(inputs[:4])]
@@ -607,7 +612,7 @@ def setting2_backward(spec, inputs, stats, grad, loaded=None):
     return dq1.to(q1.dtype), dk1
 
 
-def run_setting2(out, timing=True):
+def run_setting2(out, timing=True, small=False):
     """setting2 against float64 (dq1, dk1) beside the triton backward's setting 2, on tile edges,
     D1 != D2, GQA (g1 = g2), decode; then timed beside triton's at 4K-16K and decode shapes."""
     import torch
@@ -639,6 +644,7 @@ def run_setting2(out, timing=True):
     shapes = [(2, 4, 2, 200, 333, 128, 64, True), (1, 3, 3, 513, 513, 40, 128, True),
               (1, 4, 4, 77, 1000, 96, 128, False), (1, 8, 8, 2048, 2048, 128, 128, True),
               (1, 32, 32, 16, 8192, 128, 128, True), (1, 4, 1, 65, 63, 64, 64, True)]  # fmt: skip
+    shapes = [s for s in shapes if not small or s[3] * s[4] <= SMALL_PAIRS]
     for shape in shapes:
         spec, inputs, stats, grad = case(*shape)
         q64 = [t.double().requires_grad_(i < 2) for i, t in enumerate(inputs[:4])]
@@ -710,6 +716,7 @@ def main():
     ap.add_argument("--variants", default=",".join(v for v in VARIANTS if v not in SETTING2_VARIANTS))
     ap.add_argument("--compile-only", action="store_true")
     ap.add_argument("--check-only", action="store_true", help="no timing (for compute-sanitizer)")
+    ap.add_argument("--small", action="store_true", help="check cases small enough for compute-sanitizer")
     ap.add_argument("--out", default="variants.json")
     args = ap.parse_args()
     names = [v for v in args.variants.split(",") if v]
@@ -721,9 +728,9 @@ def main():
     elif set(names) & SETTING2_VARIANTS:
         if set(names) - SETTING2_VARIANTS:
             ap.error("setting2 runs alone (its own check and timing)")
-        run_setting2(args.out, timing=not args.check_only)
+        run_setting2(args.out, timing=not args.check_only, small=args.small)
     else:
-        run(names, args.out, timing=not args.check_only)
+        run(names, args.out, timing=not args.check_only, small=args.small)
 
 
 if __name__ == "__main__":
