@@ -232,7 +232,7 @@ def test_reductions(target, reduction, causal):
         Expected(inputs, causal=causal).check_kl(rows)
 
 
-@pytest.mark.parametrize("needs", [ALL, SETTING1], ids=["all", "teacher-fixed"])
+@pytest.mark.parametrize("needs", [ALL, SETTING1, SETTING2], ids=["all", "teacher-fixed", "target-fixed"])
 def test_extreme_logits(target, needs):
     """Logits of magnitude ~1e4 (q, k of std 50 at D = 16): one-hot rows, nothing non-finite,
     and still within the rule (whose floor scales with the logits)."""

@@ -76,8 +76,9 @@ def test_backward_kernels_compile_within_budget(consts):
 
 
 def test_backward_declines_what_it_does_not_run(monkeypatch):
-    """The cuda backward runs by default (STREAMKL_CUDA_BWD=triton turns it off), on setting 1 of
-    dense inputs whose teacher GQA group is a multiple of the student's; the rest goes to triton's
+    """The cuda backward runs by default (STREAMKL_CUDA_BWD=triton turns it off), one side's
+    gradients a call (any of q2, k2: setting 1; any of q1, k1: setting 2) on dense inputs whose
+    other side's GQA group is a multiple of the differentiated side's; the rest goes to triton's
     (backward_of)."""
     q = torch.empty(1, 4, 8, 64, dtype=torch.bfloat16)
     spec, inputs = _spec((q, q, q, q))
@@ -91,17 +92,27 @@ def test_backward_declines_what_it_does_not_run(monkeypatch):
     monkeypatch.setenv("STREAMKL_CUDA_BWD", "cuda")
     k2 = torch.empty(1, 2, 8, 64, dtype=torch.bfloat16)
     spec, inputs = _spec((q, q, q, k2))  # g1 = 1, g2 = 2
-    assert "multiple" in backend.backward_declines(spec.with_needs(_bwd.SETTING1), inputs)
-    spec, inputs = _spec((q, k2, q, k2))
+    assert "teacher's GQA group" in backend.backward_declines(spec.with_needs(_bwd.SETTING1), inputs)
+    assert backend.backward_declines(spec.with_needs(_bwd.SETTING2), inputs) is None
+    spec, inputs = _spec((q, k2, q, q))  # g1 = 2, g2 = 1
     assert backend.backward_declines(spec.with_needs(_bwd.SETTING1), inputs) is None
-    assert _dispatch.backward_of(backend, spec.with_needs(_bwd.SETTING1), inputs) is backend
+    assert "student's GQA group" in backend.backward_declines(spec.with_needs(_bwd.SETTING2), inputs)
+    spec, inputs = _spec((q, k2, q, k2))
     triton = _dispatch.implementation("triton", "attn_kl")
-    for needs in ((True,) * 4, (True, True, False, False), (False, False, True, False)):
-        assert "setting 1" in backend.backward_declines(spec.with_needs(needs), inputs)
+    one_side = (_bwd.SETTING1, _bwd.SETTING2, (False, False, True, False), (False, True, False, False))
+    for needs in one_side:
+        assert backend.backward_declines(spec.with_needs(needs), inputs) is None
+        assert _dispatch.backward_of(backend, spec.with_needs(needs), inputs) is backend
+    for needs in ((True,) * 4, (True, False, True, False), (False, True, False, True)):
+        assert "not both" in backend.backward_declines(spec.with_needs(needs), inputs)
         assert _dispatch.backward_of(backend, spec.with_needs(needs), inputs) is triton
+    assert _bwd.setting((False,) * 4) is None
     odd = torch.empty(1, 4, 8, 63, dtype=torch.bfloat16)
     spec_odd, inputs_odd = _spec((q, q, odd, odd))
-    assert "even D2" in backend.backward_declines(spec_odd.with_needs(_bwd.SETTING1), inputs_odd)
+    assert "(D2)" in backend.backward_declines(spec_odd.with_needs(_bwd.SETTING1), inputs_odd)
+    assert backend.backward_declines(spec_odd.with_needs(_bwd.SETTING2), inputs_odd) is None
+    spec_odd, inputs_odd = _spec((odd, odd, q, q))
+    assert "(D1)" in backend.backward_declines(spec_odd.with_needs(_bwd.SETTING2), inputs_odd)
     packed = torch.empty(1, 4, 16, 64, dtype=torch.bfloat16)
     spec_p, inputs_p = _spec(
         (packed,) * 4, cu_seqlens=torch.tensor([0, 5, 16], dtype=torch.int32), max_seqlen=11
@@ -111,7 +122,7 @@ def test_backward_declines_what_it_does_not_run(monkeypatch):
     spec_0, inputs_0 = _spec((none, q[:, :1], none, q[:, :1]))
     assert backend.backward_declines(spec_0.with_needs(_bwd.SETTING1), inputs_0) is None
     # a direct call of what it declines is refused by name, before any launch (no GPU here)
-    with pytest.raises(NotImplementedError, match="setting 1"):
+    with pytest.raises(NotImplementedError, match="not both"):
         backend.backward(spec.with_needs((True,) * 4), inputs, None, None)
     monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
     assert "deterministic" in backend.backward_declines(spec.with_needs(_bwd.SETTING1), inputs)
@@ -504,7 +515,7 @@ def test_side_stream_and_no_host_sync():
     torch.testing.assert_close(got, want, atol=0, rtol=0)
 
 
-# ---- GPU: the backward (kernels/kl_bwd.cu, setting 1) against the oracle ----
+# ---- GPU: the backward (kernels/kl_bwd.cu, settings 1 and 2) against the oracle ----
 
 
 @pytest.fixture
@@ -514,82 +525,109 @@ def cuda_backward(monkeypatch):
     monkeypatch.delenv("STREAMKL_CUDA_BWD", raising=False)
 
 
-def _check_backward(inputs, causal, scale1=None, scale2=None):
+SETTINGS = pytest.mark.parametrize("needs", [_bwd.SETTING1, _bwd.SETTING2], ids=["setting1", "setting2"])
+
+
+def _groups(needs, fine: int, coarse: int) -> dict:
+    """Key head counts with the differentiated side's GQA group a divisor of the other's: its
+    side gets `fine` key heads, the other `coarse`."""
+    return dict(hk1=coarse, hk2=fine) if needs == _bwd.SETTING1 else dict(hk1=fine, hk2=coarse)
+
+
+def _check_backward(inputs, causal, needs, scale1=None, scale2=None):
     spec, call = _spec(inputs, causal, scale1, scale2)
-    spec = spec.with_needs(_bwd.SETTING1)
+    spec = spec.with_needs(needs)
     assert _dispatch.backward_of(backend, spec, call) is backend
     stats = AttnKLStats(*backend.forward(spec, call))
     g = torch.randn(stats.kl.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
     grads = backend.backward(spec, call, stats, g.float().cuda())
     torch.cuda.synchronize()
     expected = Expected(inputs, causal=causal, scale1=scale1, scale2=scale2, grad=g)
-    expected.check_grads(grads, inputs, needs=_bwd.SETTING1)
+    expected.check_grads(grads, inputs, needs=needs)
 
 
 @gpu
 @sm90
+@SETTINGS
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("nq,nk", EDGES)
-def test_backward_tile_edges(nq, nk, causal, cuda_backward):
+def test_backward_tile_edges(nq, nk, causal, needs, cuda_backward):
     """Query and key counts around the backward's tiles (64 rows, 128 keys), both alignments of
-    the causal frontier, a teacher MQA group over a student GQA group, D1 != D2."""
+    the causal frontier, an MQA group on the other side over a GQA group on the differentiated
+    one, D1 != D2."""
     for dtype in (torch.bfloat16, torch.float16):
-        inputs = make_inputs(b=2, h=4, hk1=1, hk2=2, nq=nq, nk=nk, d1=128, d2=64, dtype=dtype, device="cuda",
-                             seed=nq * 5 + nk)  # fmt: skip
-        _check_backward(inputs, causal)
+        inputs = make_inputs(b=2, h=4, **_groups(needs, 2, 1), nq=nq, nk=nk, d1=128, d2=64, dtype=dtype,
+                             device="cuda", seed=nq * 5 + nk)  # fmt: skip
+        _check_backward(inputs, causal, needs)
 
 
 @gpu
 @sm90
-@pytest.mark.parametrize("d1,d2", [(64, 64), (128, 128), (40, 72), (96, 128), (128, 8)])
+@SETTINGS
+@pytest.mark.parametrize("d1,d2", [(64, 64), (128, 128), (40, 72), (96, 128), (128, 8), (8, 128)])
 @pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
-def test_backward_head_dims_and_layouts(d1, d2, layout, cuda_backward):
+def test_backward_head_dims_and_layouts(d1, d2, layout, needs, cuda_backward):
     """Head dims padded to 64 or 128 (TMA's zero fill), read in place from (B, N, H, D) views."""
     for causal in (False, True):
         inputs = make_inputs(b=1, h=3, nq=300, nk=260, d1=d1, d2=d2, dtype=torch.bfloat16, device="cuda",
                              layout=layout, seed=d1 + d2)  # fmt: skip
-        _check_backward(inputs, causal, scale1=0.11, scale2=-0.07)
+        _check_backward(inputs, causal, needs, scale1=0.11, scale2=-0.07)
 
 
 @gpu
 @sm90
-def test_backward_teacher_and_student_groups(cuda_backward):
-    """A teacher key head shared by two student key heads (h1 = hk * g2 / g1 takes values other
-    than 0 and hk), both masks, bf16 and fp16."""
+@SETTINGS
+def test_backward_teacher_and_student_groups(needs, cuda_backward):
+    """The other side's key head shared by two key heads of the differentiated side (its index
+    hk * g_own / g_other takes values other than 0 and hk), both masks, bf16 and fp16."""
     for dtype in (torch.bfloat16, torch.float16):
-        inputs = make_inputs(b=2, h=8, hk1=2, hk2=4, nq=200, nk=333, d1=64, d2=128, dtype=dtype,
+        inputs = make_inputs(b=2, h=8, **_groups(needs, 4, 2), nq=200, nk=333, d1=64, d2=128, dtype=dtype,
                              device="cuda", seed=8)  # fmt: skip
         for causal in (False, True):
-            _check_backward(inputs, causal)
+            _check_backward(inputs, causal, needs)
 
 
 @gpu
 @sm90
+@SETTINGS
 @pytest.mark.parametrize("nq,nk", [(1, 4096), (16, 8192), (64, 1000)])
-def test_backward_decode_shapes(nq, nk, cuda_backward):
+def test_backward_decode_shapes(nq, nk, needs, cuda_backward):
     inputs = make_inputs(b=1, h=8, hk1=2, hk2=2, nq=nq, nk=nk, d1=128, d2=128, dtype=torch.bfloat16,
                          device="cuda", seed=nq)  # fmt: skip
     for causal in (False, True):
-        _check_backward(inputs, causal)
+        _check_backward(inputs, causal, needs)
 
 
 @gpu
 @sm90
-def test_op_runs_the_cuda_backward_for_setting_1(cuda_backward, monkeypatch):
-    """Through the op, eager and compiled, by default: gradients to q2 and k2 only take the cuda
+def test_backward_one_gradient_of_a_pair(cuda_backward):
+    """A call asking for one gradient of a side's pair runs that side's kernel and returns only
+    what it asked for (the other slot None, as the op's fake has it)."""
+    inputs = make_inputs(b=1, h=4, hk1=2, hk2=2, nq=130, nk=300, d1=64, d2=128, dtype=torch.bfloat16,
+                         device="cuda", seed=3)  # fmt: skip
+    for needs in ((False, False, True, False), (False, False, False, True), (True, False, False, False),
+                  (False, True, False, False)):  # fmt: skip
+        _check_backward(inputs, True, needs)
+
+
+@gpu
+@sm90
+@SETTINGS
+def test_op_runs_the_cuda_backward_for_one_side(needs, cuda_backward, monkeypatch):
+    """Through the op, eager and compiled, by default: gradients to one side's (q, k) take the cuda
     backward (each call launches it once) and match the float64 oracle."""
     inputs = make_inputs(b=1, h=4, hk2=2, hk1=2, nq=333, nk=500, d1=64, d2=128, dtype=torch.bfloat16,
                          device="cuda", layout="bnhd", seed=4)  # fmt: skip
-    q1, k1, q2, k2 = inputs
     launches = []
     real = _bwd.backward
     monkeypatch.setattr(_bwd, "backward", lambda *args: launches.append(1) or real(*args))
     g = torch.randn(1, 4, 333, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
     expected = Expected(inputs, causal=True, grad=g)
     for fn in (streamkl.attn_kl, torch.compile(streamkl.attn_kl, fullgraph=True)):
-        leaves = q2.detach().requires_grad_(), k2.detach().requires_grad_()
-        kl = fn(q1, k1, *leaves, causal=True, backend="cuda")
+        args = [t.detach().requires_grad_(need) for t, need in zip(inputs, needs)]
+        kl = fn(*args, causal=True, backend="cuda")
         before = len(launches)
-        grads = torch.autograd.grad(kl, leaves, g.to(device="cuda", dtype=kl.dtype))
+        leaves = [t for t in args if t.requires_grad]
+        grads = iter(torch.autograd.grad(kl, leaves, g.to(device="cuda", dtype=kl.dtype)))
         assert len(launches) == before + 1
-        expected.check_grads((None, None, *grads), inputs, needs=_bwd.SETTING1)
+        expected.check_grads([next(grads) if need else None for need in needs], inputs, needs=needs)

@@ -4,16 +4,12 @@ triton backward (interleaved rounds, bf16 GEMM yardstick in the same run).
 
     python lab/cuda/bwd_variants.py --compile-only          # here: every variant's ptxas report
     PYTHONPATH=. python lab/cuda/bwd_variants.py --out $OUT/variants.json [--variants a,b]
+    PYTHONPATH=. python lab/cuda/bwd_variants.py --settings --out $OUT/settings.json
 
 Variants: each a list of (anchor, replacement) patches; every anchor must occur exactly once.
   persistent  about one CTA per SM (GRIDS), each walking several key tiles of its key head with
             the next one's K tiles loading under the current one (two K stages; two query
             stages at D = 128): for decode, where one key tile has one query tile.
-  setting2  the backward of setting 2 (dq1, dk1; the student fixed) on the same schedule:
-            dS1 = G P1 (r - KL) with r = ln 2 (e1 - e2) from the logits (one exponential where
-            setting 1 takes two), dk1 += dS1^T Q1, dq1 = dS1 K1, the forward's KL a fourth row
-            term; teacher and student key heads alike (g1 = g2). Checked and timed by its own
-            path (run_setting2) against float64 and the triton backward's setting 2.
 Ablations (timing only, wrong results by design; what a stage costs is the difference):
   no-red    the dq adds are never issued (the dQ GEMM still runs and its result stays live).
   no-exp    dS = G (c2 S2 - L2 - c1 S1 + L1): no exponential (the MUFU's share).
@@ -32,19 +28,19 @@ import os
 
 NO_RED = [
     (
-        "if (col < p.d2) red_add2(row + col, dq[KL_IDX(j, i, 0)], dq[KL_IDX(j, i, 1)]);",
-        "if (col < p.d2 && p.nq < 0) red_add2(row + col, dq[KL_IDX(j, i, 0)], dq[KL_IDX(j, i, 1)]);",
+        "if (col < p.d) red_add2(row + col, dq[KL_IDX(j, i, 0)], dq[KL_IDX(j, i, 1)]);",
+        "if (col < p.d && p.nq < 0) red_add2(row + col, dq[KL_IDX(j, i, 0)], dq[KL_IDX(j, i, 1)]);",
     )
 ]
 
 NO_EXP = [
     (
-        "float d0 = g.x * (ex2(fmaf(p.c2, s2[x], -l2.x)) - ex2(fmaf(p.c1, s1[x], -l1.x)));",
-        "float d0 = g.x * (fmaf(p.c2, s2[x], -l2.x) - fmaf(p.c1, s1[x], -l1.x));",
+        "d0 = t2.x * (ex2(fmaf(p.c2, s2[x], -t1.x)) - ex2(fmaf(p.c1, s1[x], -t0.x)));",
+        "d0 = t2.x * (fmaf(p.c2, s2[x], -t1.x) - fmaf(p.c1, s1[x], -t0.x));",
     ),
     (
-        "float d1 = g.y * (ex2(fmaf(p.c2, s2[x + 1], -l2.y)) - ex2(fmaf(p.c1, s1[x + 1], -l1.y)));",
-        "float d1 = g.y * (fmaf(p.c2, s2[x + 1], -l2.y) - fmaf(p.c1, s1[x + 1], -l1.y));",
+        "d1 = t2.y * (ex2(fmaf(p.c2, s2[x + 1], -t1.y)) - ex2(fmaf(p.c1, s1[x + 1], -t0.y)));",
+        "d1 = t2.y * (fmaf(p.c2, s2[x + 1], -t1.y) - fmaf(p.c1, s1[x + 1], -t0.y));",
     ),
 ]
 
@@ -75,12 +71,12 @@ PERSISTENT_PRODUCE = r"""KL_DEV void produce(const BwdParams& p, int tid, unsign
       const unsigned k2 = base + OFF_K2 + ks * K_STAGE;
       mbar_expect_tx(kb, K1_BYTES + K2_BYTES);
 #pragma unroll
-      for (int s = 0; s < D1P / 64; ++s) tma_load_4d(k1 + s * SLAB_K, &p.k1, 64 * s, w.n0, w.h1, w.b, kb);
+      for (int s = 0; s < D1P / 64; ++s) tma_load_4d(k1 + s * SLAB_K, &p.k1, 64 * s, w.n0, w.kh1, w.b, kb);
 #pragma unroll
-      for (int s = 0; s < D2P / 64; ++s) tma_load_4d(k2 + s * SLAB_K, &p.k2, 64 * s, w.n0, w.hk, w.b, kb);
+      for (int s = 0; s < D2P / 64; ++s) tma_load_4d(k2 + s * SLAB_K, &p.k2, 64 * s, w.n0, w.kh2, w.b, kb);
       for (int it = 0; it < w.iters; ++it) {
         const int g = git + it, stage = g % QSTAGES;
-        const int h = w.hk * p.g2 + it / w.per_head, q0 = (w.mt0 + it % w.per_head) * BM;
+        const int h = w.hk * p.g_own + it / w.per_head, q0 = (w.mt0 + it % w.per_head) * BM;
         mbar_wait(bars.empty + 8 * stage, ((g / QSTAGES) & 1) ^ 1);
         const unsigned bar = bars.full + 8 * stage;
         mbar_expect_tx(bar, Q1_BYTES + Q2_BYTES);
@@ -95,12 +91,12 @@ PERSISTENT_PRODUCE = r"""KL_DEV void produce(const BwdParams& p, int tid, unsign
       const int r = tid - 64;
       for (int it = 0; it < w.iters; ++it) {
         const int g = git + it, stage = g % QSTAGES;
-        const int h = w.hk * p.g2 + it / w.per_head, q = (w.mt0 + it % w.per_head) * BM + r;
+        const int h = w.hk * p.g_own + it / w.per_head, q = (w.mt0 + it % w.per_head) * BM + r;
         float l1 = KL_INF, l2 = KL_INF, gr = 0.f;  // rows past Nq or that saw no key: P = 0, dS = 0
         if (q < p.nq) {
           const long long row = ((long long)w.b * p.h + h) * p.nq + q;
           const float a = p.lse1[row];
-          if (a > -KL_INF) l1 = a * KL_LOG2E, l2 = p.lse2[row] * KL_LOG2E, gr = p.grad[row] * p.scale2;
+          if (a > -KL_INF) l1 = a * KL_LOG2E, l2 = p.lse2[row] * KL_LOG2E, gr = p.grad[row] * p.scale;
         }
         mbar_wait(bars.empty + 8 * stage, ((g / QSTAGES) & 1) ^ 1);
         float* rows = reinterpret_cast<float*>(__cvta_shared_to_generic(base + OFF_ROWS + stage * ROW_BYTES));
@@ -159,11 +155,11 @@ PERSISTENT_CONSUME = r"""KL_DEV void consume(const BwdParams& p, int c, int tid,
       for (int i = 0; i < 2; ++i) {
         const int q = q0 + 16 * warp + lane / 4 + 8 * i;
         if (q < p.nq) {
-          float* row = p.dq2 + (((long long)w.b * p.h + h) * p.nq + q) * p.d2;
+          float* row = p.dq + (((long long)w.b * p.h + h) * p.nq + q) * p.d;
 #pragma unroll
           for (int j = 0; j < DQ_N / 8; ++j) {
             const int col = col0 + 8 * j + 2 * (lane % 4);
-            if (col < p.d2) red_add2(row + col, dq[KL_IDX(j, i, 0)], dq[KL_IDX(j, i, 1)]);
+            if (col < p.d) red_add2(row + col, dq[KL_IDX(j, i, 0)], dq[KL_IDX(j, i, 1)]);
           }
         }
       }
@@ -175,7 +171,7 @@ PERSISTENT_CONSUME = r"""KL_DEV void consume(const BwdParams& p, int c, int tid,
       int prev_h = 0, prev_q0 = 0;
       for (int it = 0; it < w.iters; ++it) {
         const int g = git + it, stage = g % QSTAGES;
-        const int h = w.hk * p.g2 + it / w.per_head, q0 = (w.mt0 + it % w.per_head) * BM;
+        const int h = w.hk * p.g_own + it / w.per_head, q0 = (w.mt0 + it % w.per_head) * BM;
         const unsigned q2_tile = base + OFF_Q2 + stage * Q2_BYTES;
         mbar_wait(full + 8 * stage, (g / QSTAGES) & 1);
         float s1[NR], s2[NR];
@@ -266,14 +262,14 @@ PERSISTENT_CONSUME = r"""KL_DEV void consume(const BwdParams& p, int c, int tid,
     for (int i = 0; i < 2; ++i) {
       if (!key_ok[i]) continue;
       unsigned* row = reinterpret_cast<unsigned*>(
-          static_cast<unsigned short*>(p.dk2) +
-          (((long long)w.b * (p.h / p.g2) + w.hk) * p.nk + key[i]) * p.d2);
+          static_cast<unsigned short*>(p.dk) +
+          (((long long)w.b * (p.h / p.g_own) + w.hk) * p.nk + key[i]) * p.d);
 #pragma unroll
       for (int ns = 0; ns < D2P / 64; ++ns) {
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
           const int col = 64 * ns + 8 * j + 2 * (lane % 4);
-          if (col < p.d2) row[col / 2] = pack2(dk[32 * ns + KL_IDX(j, i, 0)], dk[32 * ns + KL_IDX(j, i, 1)]);
+          if (col < p.d) row[col / 2] = pack2(dk[32 * ns + KL_IDX(j, i, 0)], dk[32 * ns + KL_IDX(j, i, 1)]);
         }
       }
     }
@@ -344,74 +340,6 @@ KL_DEV BwdBars bwd_bars(unsigned base) {
 ]
 
 
-SETTING2 = [
-    (
-        "constexpr unsigned ROW_BYTES = 3 * BM * 4;  // L1, L2, G of a query tile's rows",
-        "constexpr unsigned ROW_BYTES = 4 * BM * 4;  // L1, L2, G, KL of a query tile's rows",
-    ),
-    ("constexpr int DQ_N = D2P / NWG;", "constexpr int DQ_N = D1P / NWG;"),
-    (
-        "  float c1, c2, scale2;  // c_t = scale_t log2(e)\n};",
-        "  float c1, c2, scale2;  // c_t = scale_t log2(e); setting 2: scale2 holds scale1\n"
-        "  const float* kl;  // [B, H, Nq] the forward's KL\n};",
-    ),
-    (
-        "      float l1 = KL_INF, l2 = KL_INF, g = 0.f;  // rows past Nq or that saw no key: P = 0, dS = 0\n",
-        "      float l1 = KL_INF, l2 = KL_INF, g = 0.f, kv = 0.f;  // rows past Nq or that saw no key\n",
-    ),
-    (
-        "if (a > -KL_INF) l1 = a * KL_LOG2E, l2 = p.lse2[row] * KL_LOG2E, g = p.grad[row] * p.scale2;",
-        "if (a > -KL_INF) l1 = a * KL_LOG2E, l2 = p.lse2[row] * KL_LOG2E, g = p.grad[row] * p.scale2,"
-        " kv = p.kl[row];",
-    ),
-    (
-        "      rows[r] = l1, rows[BM + r] = l2, rows[2 * BM + r] = g;",
-        "      rows[r] = l1, rows[BM + r] = l2, rows[2 * BM + r] = g, rows[3 * BM + r] = kv;",
-    ),
-    (
-        "  const unsigned dq_b0 = base + OFF_K2 + (col0 / 64) * SLAB_K + (col0 % 64) * 2;",
-        "  const unsigned dq_b0 = base + OFF_K1 + (col0 / 64) * SLAB_K + (col0 % 64) * 2;",
-    ),
-    ("  float dk[D2P / 2];", "  float dk[D1P / 2];"),
-    ("  for (int x = 0; x < D2P / 2; ++x) dk[x] = 0.f;", "  for (int x = 0; x < D1P / 2; ++x) dk[x] = 0.f;"),
-    (
-        "      const float2 g = *reinterpret_cast<const float2*>(rows + 2 * BM + col);\n",
-        "      const float2 g = *reinterpret_cast<const float2*>(rows + 2 * BM + col);\n"
-        "      const float2 kl = *reinterpret_cast<const float2*>(rows + 3 * BM + col);\n",
-    ),
-    (
-        """        float d0 = g.x * (ex2(fmaf(p.c2, s2[x], -l2.x)) - ex2(fmaf(p.c1, s1[x], -l1.x)));
-        float d1 = g.y * (ex2(fmaf(p.c2, s2[x + 1], -l2.y)) - ex2(fmaf(p.c1, s1[x + 1], -l1.y)));""",
-        """        // dS1 = G P1 (r - KL), r = ln 2 (e1 - e2) from the logits; P1 = 0 adds 0 (never 0 x inf)
-        const float e1a = fmaf(p.c1, s1[x], -l1.x), e1b = fmaf(p.c1, s1[x + 1], -l1.y);
-        const float p1a = ex2(e1a), p1b = ex2(e1b);
-        const float ra = 0.6931471805599453f * (e1a - fmaf(p.c2, s2[x], -l2.x));
-        const float rb = 0.6931471805599453f * (e1b - fmaf(p.c2, s2[x + 1], -l2.y));
-        float d0 = p1a > 0.f ? g.x * p1a * (ra - kl.x) : 0.f;
-        float d1 = p1b > 0.f ? g.y * p1b * (rb - kl.y) : 0.f;""",
-    ),
-    (
-        """      for (int ns = 0; ns < D2P / 64; ++ns)
-        wgmma_m64n64k16_rs_tb<true>(dk + 32 * ns, a + 4 * kk,
-                                    smem_desc_mn(q2_tile + ns * SLAB_Q + kk * 2048, SLAB_Q));""",
-        """      for (int ns = 0; ns < D1P / 64; ++ns)
-        wgmma_m64n64k16_rs_tb<true>(dk + 32 * ns, a + 4 * kk,
-            smem_desc_mn(base + OFF_Q1 + stage * Q1_BYTES + ns * SLAB_Q + kk * 2048, SLAB_Q));""",
-    ),
-    ("    fence_regs<D2P / 2>(dk);", "    fence_regs<D1P / 2>(dk);"),
-    (
-        """    for (int ns = 0; ns < D2P / 64; ++ns) {
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const int col = 64 * ns + 8 * j + 2 * (lane % 4);""",
-        """    for (int ns = 0; ns < D1P / 64; ++ns) {
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const int col = 64 * ns + 8 * j + 2 * (lane % 4);""",
-    ),
-]
-
-
 def _persistent_grid(spec):
     """About one CTA per SM: the key tiles of each (key head, batch) split over gridDim.x CTAs."""
     import torch
@@ -425,18 +353,15 @@ def _persistent_grid(spec):
 
 VARIANTS = {
     "persistent": PERSISTENT,
-    "setting2": SETTING2,
     "no-red": NO_RED,
     "no-exp": NO_EXP,
     "no-dsstore": NO_DSSTORE,
 }
-SETTING2_VARIANTS = {"setting2"}  # checked and timed by run_setting2
 ABLATIONS = {"no-red", "no-exp", "no-dsstore"}  # timed, never checked
 # shared memory a variant needs beyond _bwd.smem_bytes, per instantiation (the second K stage and
 # its two barriers less the one k_full it replaces)
 EXTRA_SMEM_BYTES = {
     "persistent": lambda c: 128 * (c["D1P"] + c["D2P"]) * 2 + 8 * 3,
-    "setting2": lambda c: c["QSTAGES"] * 64 * 4,  # the KL row term
 }
 GRIDS = {"persistent": _persistent_grid}  # a variant's launch grid, where it is not _bwd.launch_grid
 
@@ -458,7 +383,7 @@ def instantiation(name: str, d1p: int, d2p: int, fp16: bool) -> dict:
     from streamkl.backends.cuda._launch import SMEM_LIMIT
 
     smem, extra = _SMEM_BYTES or _bwd.smem_bytes, EXTRA_SMEM_BYTES.get(name, lambda c: 0)
-    c = dict(KL_FP16=int(fp16), D1P=d1p, D2P=d2p)
+    c = dict(KL_FP16=int(fp16), D1P=d1p, D2P=d2p, SETTING=1)  # the variants are of setting 1
     stages = range(1, _bwd.MAX_QSTAGES + 1)
     fits = [s for s in stages if smem(dict(c, QSTAGES=s)) + extra(dict(c, QSTAGES=s)) <= SMEM_LIMIT]
     return dict(c, QSTAGES=max(fits))
@@ -470,7 +395,7 @@ def compile_report(names):
     base = _bwd.source()
     for name in ["shipped", *names]:
         src = base if name == "shipped" else patched(base, VARIANTS[name])
-        for shipped in _bwd.shipped_instantiations():
+        for shipped in [c for c in _bwd.shipped_instantiations() if c["SETTING"] == 1]:
             consts = instantiation(name, shipped["D1P"], shipped["D2P"], shipped["KL_FP16"])
             b = _jit.compile_kernel(src, _bwd.ENTRY, consts)
             serial = [line.strip()[:90] for line in b.log.splitlines() if "serial" in line.lower()]
@@ -571,50 +496,10 @@ def run(names, out, timing=True, small=False):
         json.dump(res, f, indent=1)
 
 
-def setting2_backward(spec, inputs, stats, grad, loaded=None):
-    """(dq1, dk1) of setting 2 from the setting2 variant (use("setting2") first, or `loaded`:
-    (handle, smem) of its kernel): _bwd.backward's launch with the gradient's side swapped in
-    (dq1, dk1, D1, scale1 in the slots of dq2, dk2, D2, scale2) and the forward's KL appended."""
-    import ctypes
-    import struct
-
-    import torch
-    from cuda.bindings import driver
-
-    from streamkl.backends.cuda import _bwd
-    from streamkl.backends.cuda._launch import LOG2E, padded_dim, tensor_map
-
-    q1, k1, q2, k2, _ = inputs
-    assert spec.heads_kv1 == spec.heads_kv2, "setting2 runs g1 = g2"
-    dq1 = torch.zeros(q1.shape, device=q1.device, dtype=torch.float32)
-    dk1 = torch.empty_like(k1, memory_format=torch.contiguous_format)
-    grad = grad.to(torch.float32).contiguous()
-    kl, lse1, lse2 = (t.to(torch.float32).contiguous() for t in stats)
-    consts = _bwd.shipped(padded_dim(spec.d1), padded_dim(spec.d2), q1.dtype == torch.float16)
-    handle, smem = loaded or _bwd.kernel(tuple(sorted(consts.items())), 0)
-    head = (
-        tensor_map(q1, _bwd.BM) + tensor_map(k1, _bwd.BN) + tensor_map(q2, _bwd.BM) + tensor_map(k2, _bwd.BN)
-        + _bwd._POINTERS.pack(*(t.data_ptr() for t in (lse1, lse2, grad, dq1, dk1)))
-        + _bwd._SCALARS.pack(
-            spec.heads, spec.nq, spec.nk, spec.d1, spec.group1, spec.group2, int(spec.causal),
-            -(-spec.nq // _bwd.BM), spec.scale1 * LOG2E, spec.scale2 * LOG2E, spec.scale1,
-        )
-    )  # fmt: skip
-    head += bytes(-len(head) % 8) + struct.pack("<Q", kl.data_ptr())
-    params = ctypes.create_string_buffer(
-        head + bytes(_bwd.BWD_PARAMS_BYTES - len(head)), _bwd.BWD_PARAMS_BYTES
-    )
-    argv = (ctypes.c_void_p * 1)(ctypes.addressof(params))
-    stream = driver.CUstream(torch._C._cuda_getCurrentRawStream(0))
-    grid = _bwd.launch_grid(spec)
-    (err,) = driver.cuLaunchKernel(handle, *grid, _bwd.THREADS, 1, 1, smem, stream, ctypes.addressof(argv), 0)
-    assert int(err) == 0, err
-    return dq1.to(q1.dtype), dk1
-
-
-def run_setting2(out, timing=True, small=False):
-    """setting2 against float64 (dq1, dk1) beside the triton backward's setting 2, on tile edges,
-    D1 != D2, GQA (g1 = g2), decode; then timed beside triton's at 4K-16K and decode shapes."""
+def run_settings(out, timing=True, small=False):
+    """The shipped kernel's setting 2 (dq1, dk1) against float64 beside the triton backward's, on
+    tile edges, D1 != D2, GQA, MQA, decode; then each setting timed beside triton's at 4K-16K and
+    decode shapes, and both settings (triton's one pass against the cuda kernel's two launches)."""
     import torch
 
     import streamkl
@@ -625,9 +510,9 @@ def run_setting2(out, timing=True, small=False):
     from streamkl.backends.triton import _launch as triton_launch
     from streamkl.testing import make_inputs
 
-    needs = (True, True, False, False)
+    os.environ["STREAMKL_CUDA_BWD"] = "cuda"
 
-    def case(b, h, hk, nq, nk, d1, d2, causal):
+    def case(b, h, hk, nq, nk, d1, d2, causal, needs=_bwd.SETTING2):
         q1, k1, q2, k2 = make_inputs(
             b, h, nq, nk, d1, d2, hk, hk, dtype=torch.bfloat16, device="cuda", seed=nq
         )
@@ -639,7 +524,6 @@ def run_setting2(out, timing=True, small=False):
     def err(got, ref):
         return ((got.double() - ref).abs().max() / ref.abs().max()).item()
 
-    use("setting2")
     res = {"check": [], "timing": []}
     shapes = [(2, 4, 2, 200, 333, 128, 64, True), (1, 3, 3, 513, 513, 40, 128, True),
               (1, 4, 4, 77, 1000, 96, 128, False), (1, 8, 8, 2048, 2048, 128, 128, True),
@@ -651,21 +535,25 @@ def run_setting2(out, timing=True, small=False):
         kl64 = streamkl.attn_kl(*q64, causal=spec.causal, reduction="none", backend="reference")
         ref = torch.autograd.grad(kl64, q64[:2], grad.double())
         tri = triton_launch.backward(spec, inputs, stats, grad)
-        got = setting2_backward(spec, inputs, stats, grad)
+        got = _bwd.backward(spec, inputs, stats, grad)
         rec = {"case": shape, "triton": [err(tri[0], ref[0]), err(tri[1], ref[1])],
-               "setting2": [err(got[0], ref[0]), err(got[1], ref[1])],
+               "cuda": [err(got[0], ref[0]), err(got[1], ref[1])],
                "finite": bool(torch.isfinite(got[0]).all() and torch.isfinite(got[1]).all())}  # fmt: skip
         print(rec, flush=True)
         res["check"].append(rec)
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     timed = [(n, n, c) for n in (4096, 8192, 16384) for c in (False, True)] if timing else []
     timed += [(1, 131072, True), (16, 32768, True), (64, 32768, False)] if timing else []
-    loaded = _bwd.kernel(tuple(sorted(_bwd.shipped(128, 128, False).items())), 0)
     for nq, nk, causal in timed:
-        call = case(1, 32, 32, nq, nk, 128, 128, causal)
+        spec, inputs, stats, grad = case(1, 32, 32, nq, nk, 128, 128, causal)
+        s1, s2, both = (spec.with_needs(n) for n in (_bwd.SETTING1, _bwd.SETTING2, (True,) * 4))
         fns = {
-            "triton": functools.partial(triton_launch.backward, *call),
-            "setting2": functools.partial(setting2_backward, *call, loaded=loaded),
+            "triton-s1": functools.partial(triton_launch.backward, s1, inputs, stats, grad),
+            "cuda-s1": functools.partial(_bwd.backward, s1, inputs, stats, grad),
+            "triton-s2": functools.partial(triton_launch.backward, s2, inputs, stats, grad),
+            "cuda-s2": functools.partial(_bwd.backward, s2, inputs, stats, grad),
+            "triton-both": functools.partial(triton_launch.backward, both, inputs, stats, grad),
+            "cuda-s1+s2": functools.partial(_both_launches, _bwd.backward, s1, s2, inputs, stats, grad),
             "gemm": lambda: a @ a,
         }
         rec = _timed(torch, fns, nq, nk, causal)
@@ -673,6 +561,10 @@ def run_setting2(out, timing=True, small=False):
         res["timing"].append(rec)
     with open(out, "w") as f:
         json.dump(res, f, indent=1)
+
+
+def _both_launches(backward, s1, s2, *call):
+    return backward(s1, *call), backward(s2, *call)
 
 
 def _launch_with(loaded, grid, call):
@@ -713,7 +605,8 @@ def _time(torch, fn, reps=10):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--variants", default=",".join(v for v in VARIANTS if v not in SETTING2_VARIANTS))
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--settings", action="store_true", help="the shipped kernel's settings against triton's")
     ap.add_argument("--compile-only", action="store_true")
     ap.add_argument("--check-only", action="store_true", help="no timing (for compute-sanitizer)")
     ap.add_argument("--small", action="store_true", help="check cases small enough for compute-sanitizer")
@@ -723,12 +616,10 @@ def main():
     unknown = [v for v in names if v not in VARIANTS]
     if unknown:
         ap.error(f"unknown variants {unknown}; known: {', '.join(VARIANTS)}")
-    if args.compile_only:
+    if args.settings:
+        run_settings(args.out, timing=not args.check_only, small=args.small)
+    elif args.compile_only:
         compile_report(names)
-    elif set(names) & SETTING2_VARIANTS:
-        if set(names) - SETTING2_VARIANTS:
-            ap.error("setting2 runs alone (its own check and timing)")
-        run_setting2(args.out, timing=not args.check_only, small=args.small)
     else:
         run(names, args.out, timing=not args.check_only, small=args.small)
 

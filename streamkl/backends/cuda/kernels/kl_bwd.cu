@@ -1,34 +1,42 @@
-// kl_bwd.cu: the backward of setting 1 (teacher fixed), dq2 and dk2 of
-// KL(softmax(s1 Q1 K1^T) || softmax(s2 Q2 K2^T)), as one warp-specialized TMA + wgmma kernel for
-// sm_90a. It recomputes S1, S2 tile by tile from the forward's lse1, lse2 (nothing quadratic kept):
-//   P_t = 2^(c_t S_t - L_t)  (c_t = scale_t log2 e, L_t = lse_t log2 e),  dS = g s2 (P2 - P1),
-//   dk2 = dS^T Q2,  dq2 = dS K2   (s2 = scale2 is folded into G, so both come out scaled).
+// kl_bwd.cu: the backward of KL(softmax(s1 Q1 K1^T) || softmax(s2 Q2 K2^T)) for one setting, as
+// one warp-specialized TMA + wgmma kernel for sm_90a: SETTING 1 (teacher fixed) forms dq2, dk2;
+// SETTING 2 (target fixed) forms dq1, dk1. "Own" below names the side whose gradients it forms
+// (2 in setting 1, 1 in setting 2). It recomputes S1, S2 tile by tile from the forward's lse1,
+// lse2 (and KL in setting 2; nothing quadratic kept), P_t = 2^(c_t S_t - L_t) with
+// c_t = scale_t log2 e, L_t = lse_t log2 e:
+//   setting 1: dS = G (P2 - P1),                        G = g s2
+//   setting 2: dS = P1 (GL (c1 S1 - L1 - c2 S2) + B),   GL = g s1 ln 2, B = g s1 (lse2 - KL)
+//     (= g s1 P1 (ln P1 - ln P2 - KL) from the logits, never the log of a probability; one
+//     exponential per element, the row terms folded into GL and B)
+//   dk_own = dS^T Q_own,  dq_own = dS K_own   (scale_own is folded into the row terms).
 //
-// Grid: (cdiv(Nk, BN), Hk2, B): one CTA per key tile of BN = 128 keys of one student key head,
-//   which walks every query head of that head's GQA group and, per head, the query tiles of
-//   BM = 64 rows that see any of its keys (under the causal mask, from the first such row on).
+// Grid: (cdiv(Nk, BN), Hk_own, B): one CTA per key tile of BN = 128 keys of one key head of the
+//   own side, which walks every query head of that head's GQA group (g_own heads) and, per head,
+//   the query tiles of BM = 64 rows that see any of its keys (under the causal mask, from the
+//   first such row on). The other side's key head is one per CTA: g_other is a multiple of g_own.
 //   __launch_bounds__(THREADS, 1): one CTA per SM.
 // Block: 128 * (NWG + 1) = 384 threads. Warpgroup 0 is the producer (setmaxnreg.dec to 24): its
 //   thread 0 loads the CTA's K1 and K2 tiles once and then each query tile's Q1 and Q2 into a
-//   QSTAGES-deep ring (TMA); its warps 2-3 (64 threads, one per row) write each tile's row terms
-//   L1, L2 (+inf for rows past Nq or that saw no key) and G = g s2 (0 there) into the stage.
+//   QSTAGES-deep ring (TMA); its warps 2-3 (64 threads, one per row) write each tile's three row
+//   terms into the stage (setting 1: L1, L2, G; setting 2: L1, GL, B; rows past Nq or that saw no
+//   key get terms that make dS = 0 there).
 //   Warpgroups 1..NWG are consumers (setmaxnreg.inc to 240); consumer c owns keys
 //   [64 c, 64 c + 64) of the tile, holds its 64 K1 rows as wgmma A fragments in registers (loaded
 //   once), and per query tile i:
 //     S1^T = K1_c Q1^T (wgmma RS), S2^T = K2_c Q2^T (SS)   (64 keys x 64 rows, K-major operands)
 //     dQ(i - 1) issued behind them, so it runs under this tile's dS update (below)
-//     dS^T = G (P2 - P1), masked               (registers; packed 16-bit, the A operand of dK2)
+//     dS^T, masked                             (registers; packed 16-bit, the A operand of dK)
 //     dS -> its 64-key slab of dS buffer i % 2 (K-major, 16-bit), once both consumers' dQ(i - 2)
 //       have read that buffer (ds_empty), then announced (ds_full: every writer thread arrives)
-//     dK2_c += dS^T Q2                         (wgmma RS, Q2 MN-major: registers accumulate dk2)
-//     dQ(i - 1) done: ds_empty released, its rows added into the float32 dq2 buffer with
-//       red.global.add.v2.f32 (rows < Nq, columns < D2); dK2 done: every consumer thread releases
-//       the stage (an mbarrier arrive releases only its own thread's reads of the row terms)
-//   where dQ(i) = dS(i) K2[:, the consumer's D2P / 2 columns] over all BN keys (wgmma SS, K2
+//     dK_c += dS^T Q_own                       (wgmma RS, Q MN-major: registers accumulate dk)
+//     dQ(i - 1) done: ds_empty released, its rows added into the float32 dq buffer with
+//       red.global.add.v2.f32 (rows < Nq, columns < D_own); dK done: every consumer thread
+//       releases the stage (an mbarrier arrive releases only its own thread's reads of the row terms)
+//   where dQ(i) = dS(i) K_own[:, the consumer's DOP / 2 columns] over all BN keys (wgmma SS, K
 //   MN-major) waits for both consumers' slabs of tile i. The consumers meet only through the dS
 //   buffers' barriers, never all at once, so one's GEMMs run under the other's exponentials; no
 //   wgmma is in flight across the loop's back edge, and dQ of the last tile runs after the loop.
-//   After it each consumer writes its keys' dk2 rows (keys < Nk, columns < D2) in the inputs'
+//   After it each consumer writes its keys' dk rows (keys < Nk, columns < D_own) in the inputs'
 //   dtype; a CTA with no query tile writes zeros.
 // Tiles in shared memory, all 1024-byte-aligned slabs of 64 columns, 128-byte swizzled as TMA
 //   writes them: K1, K2 (BN x D1P, BN x D2P), QSTAGES stages of Q1, Q2 (BM x D1P, BM x D2P) and the
@@ -37,14 +45,15 @@
 //   empty[s] (128 NWG: every consumer thread, after its last read of the stage), ds_full[b] (128 NWG),
 //   ds_empty[b] (NWG). The causal mask aligns bottom-right (mask.cuh).
 // Reads q1, k1, q2, k2 (4-D tensor maps {D, N, heads, B}; query head h reads key heads h / g1,
-//   h / g2: the K1 head is one per CTA because g1 is a multiple of g2), lse1, lse2, grad ([B, H, Nq]
-//   float32); writes dq2 (adds into [B, H, Nq, D2] float32) and dk2 ([B, Hk2, Nk, D2]).
+//   h / g2), lse1, lse2, grad and in setting 2 kl ([B, H, Nq] float32); writes dq_own (adds into
+//   [B, H, Nq, D_own] float32) and dk_own ([B, Hk_own, Nk, D_own]).
 #include "mask.cuh"
 #include "sm90.cuh"
 
-#if !defined(KL_FP16) || !defined(D1P) || !defined(D2P) || !defined(QSTAGES)
+#if !defined(KL_FP16) || !defined(D1P) || !defined(D2P) || !defined(QSTAGES) || !defined(SETTING)
 #error "the launcher (_bwd.py) defines every instantiation constant"
 #endif
+static_assert(SETTING == 1 || SETTING == 2, "SETTING: 1 (dq2, dk2) or 2 (dq1, dk1)");
 static_assert(D1P == 64 || D1P == 128, "D1P: 64 or 128");
 static_assert(D2P == 64 || D2P == 128, "D2P: 64 or 128");
 
@@ -57,19 +66,21 @@ constexpr unsigned SLAB_K = BN * 128, SLAB_Q = BM * 128;  // one 64-column slab 
 constexpr unsigned K1_BYTES = D1P / 64 * SLAB_K, K2_BYTES = D2P / 64 * SLAB_K;
 constexpr unsigned Q1_BYTES = D1P / 64 * SLAB_Q, Q2_BYTES = D2P / 64 * SLAB_Q;
 constexpr unsigned DS_BYTES = NWG * SLAB_Q;  // dS of a query tile: BM rows x BN keys
-constexpr unsigned ROW_BYTES = 3 * BM * 4;  // L1, L2, G of a query tile's rows
+constexpr unsigned ROW_BYTES = 3 * BM * 4;  // three row terms of a query tile's rows
 constexpr unsigned OFF_K1 = 0, OFF_K2 = OFF_K1 + K1_BYTES;
 constexpr unsigned OFF_Q1 = OFF_K2 + K2_BYTES, OFF_Q2 = OFF_Q1 + QSTAGES * Q1_BYTES;
 constexpr unsigned OFF_DS = OFF_Q2 + QSTAGES * Q2_BYTES;
 constexpr unsigned OFF_ROWS = OFF_DS + 2 * DS_BYTES;
 constexpr unsigned OFF_BAR = OFF_ROWS + QSTAGES * ROW_BYTES;
+constexpr int DOP = SETTING == 1 ? D2P : D1P;  // the own side's padded head dim
+constexpr unsigned OFF_KO = SETTING == 1 ? OFF_K2 : OFF_K1;  // the own side's K tile (dQ's B operand)
 constexpr unsigned N_BARS = 1 + 2 * QSTAGES + 4;  // k_full, full[s], empty[s], ds_full[2], ds_empty[2]
 constexpr unsigned SMEM_BYTES = OFF_BAR + 8 * N_BARS + 1024;  // + the base's alignment slack
 static_assert(SMEM_BYTES <= 232448, "exceeds the 227 KB of shared memory of an sm_90 CTA");
 constexpr int REG_PROD = 24, REG_CONS = 240;
 static_assert(REG_PROD * 128 + REG_CONS * 128 * NWG <= THREADS * (65536 / THREADS / 8 * 8), "register budget");
 // dQ of one consumer: its share of the columns, over all BN keys of the CTA.
-constexpr int DQ_N = D2P / NWG;
+constexpr int DQ_N = DOP / NWG;
 constexpr int DQ_NR = DQ_N / 2;  // its accumulator registers per thread
 
 struct BwdParams {
@@ -77,10 +88,11 @@ struct BwdParams {
   const float* lse1;  // [B, H, Nq], natural log
   const float* lse2;
   const float* grad;  // dLoss / dKL per row
-  float* dq2;  // [B, H, Nq, D2] float32, zeroed: the adds land here
-  void* dk2;  // [B, Hk2, Nk, D2], the inputs' dtype
-  int h, nq, nk, d2, g1, g2, causal, m_tiles;
-  float c1, c2, scale2;  // c_t = scale_t log2(e)
+  float* dq;  // [B, H, Nq, D_own] float32, zeroed: the adds land here
+  void* dk;  // [B, Hk_own, Nk, D_own], the inputs' dtype
+  int h, nq, nk, d, g_own, g_other, causal, m_tiles;  // d = D_own
+  float c1, c2, scale;  // c_t = scale_t log2(e); scale = scale_own
+  const float* kl;  // [B, H, Nq] the forward's KL (setting 2)
 };
 static_assert(sizeof(BwdParams) == 640, "BWD_PARAMS_BYTES in _bwd.py packs this layout");
 
@@ -99,22 +111,24 @@ KL_DEV BwdBars bwd_bars(unsigned base) {
 #define KL_IDX(j, i, k) ((j) * 4 + (i) * 2 + (k))
 #define KL_LOG2E 1.4426950408889634f
 #define KL_INF __int_as_float(0x7f800000)
+#define KL_LN2 0.6931471805599453f
 
-// The CTA's work: key tile n0, student key head hk (teacher key head h1), batch b; its query
-// tiles run m0 .. m_tiles - 1 for each of the g2 heads of the group, `per_head` of them.
+// The CTA's work: key tile n0, own key head hk (K1, K2 heads kh1, kh2), batch b; its query tiles
+// run m0 .. m_tiles - 1 for each of the g_own heads of the group, `per_head` of them.
 struct BwdWork {
-  int n0, hk, h1, b, mt0, per_head, iters;
+  int n0, hk, kh1, kh2, b, mt0, per_head, iters;
 };
 
 KL_DEV BwdWork bwd_work(const BwdParams& p) {
   BwdWork w;
   w.n0 = blockIdx.x * BN, w.hk = blockIdx.y, w.b = blockIdx.z;
-  w.h1 = w.hk * p.g2 / p.g1;
+  const int other = w.hk * p.g_own / p.g_other;
+  w.kh1 = SETTING == 1 ? other : w.hk, w.kh2 = SETTING == 1 ? w.hk : other;
   // Causal: row i sees key j iff j <= i + off, so the first row that sees key n0 is n0 - off.
   const int first = p.causal ? max(0, w.n0 - causal_offset(p.nq, p.nk)) : 0;
   w.mt0 = first / BM;
   w.per_head = first < p.nq ? p.m_tiles - w.mt0 : 0;
-  w.iters = w.per_head * p.g2;
+  w.iters = w.per_head * p.g_own;
   return w;
 }
 
@@ -137,11 +151,11 @@ KL_DEV void produce(const BwdParams& p, const BwdWork& w, int tid, unsigned base
   if (tid == 0) {
     mbar_expect_tx(k_full, K1_BYTES + K2_BYTES);
 #pragma unroll
-    for (int s = 0; s < D1P / 64; ++s) tma_load_4d(base + OFF_K1 + s * SLAB_K, &p.k1, 64 * s, w.n0, w.h1, w.b, k_full);
+    for (int s = 0; s < D1P / 64; ++s) tma_load_4d(base + OFF_K1 + s * SLAB_K, &p.k1, 64 * s, w.n0, w.kh1, w.b, k_full);
 #pragma unroll
-    for (int s = 0; s < D2P / 64; ++s) tma_load_4d(base + OFF_K2 + s * SLAB_K, &p.k2, 64 * s, w.n0, w.hk, w.b, k_full);
+    for (int s = 0; s < D2P / 64; ++s) tma_load_4d(base + OFF_K2 + s * SLAB_K, &p.k2, 64 * s, w.n0, w.kh2, w.b, k_full);
     for (int it = 0; it < w.iters; ++it) {
-      const int stage = it % QSTAGES, h = w.hk * p.g2 + it / w.per_head, q0 = (w.mt0 + it % w.per_head) * BM;
+      const int stage = it % QSTAGES, h = w.hk * p.g_own + it / w.per_head, q0 = (w.mt0 + it % w.per_head) * BM;
       mbar_wait(empty + 8 * stage, ((it / QSTAGES) & 1) ^ 1);
       const unsigned bar = full + 8 * stage;
       mbar_expect_tx(bar, Q1_BYTES + Q2_BYTES);
@@ -152,19 +166,26 @@ KL_DEV void produce(const BwdParams& p, const BwdWork& w, int tid, unsigned base
       for (int s = 0; s < D2P / 64; ++s)
         tma_load_4d(base + OFF_Q2 + stage * Q2_BYTES + s * SLAB_Q, &p.q2, 64 * s, q0, h, w.b, bar);
     }
-  } else if (tid >= 64) {  // one thread per row of the tile: its L1, L2, G
+  } else if (tid >= 64) {  // one thread per row of the tile: its three row terms
     const int r = tid - 64;
     for (int it = 0; it < w.iters; ++it) {
-      const int stage = it % QSTAGES, h = w.hk * p.g2 + it / w.per_head, q = (w.mt0 + it % w.per_head) * BM + r;
-      float l1 = KL_INF, l2 = KL_INF, g = 0.f;  // rows past Nq or that saw no key: P = 0, dS = 0
+      const int stage = it % QSTAGES, h = w.hk * p.g_own + it / w.per_head, q = (w.mt0 + it % w.per_head) * BM + r;
+      // Rows past Nq or that saw no key: P = 0 and dS = 0. Setting 2 takes a finite L1 there, so
+      // that its GL (c1 S1 - L1 - c2 S2) is 0 x finite, not 0 x inf.
+      float t0 = SETTING == 1 ? KL_INF : 1e30f, t1 = SETTING == 1 ? KL_INF : 0.f, t2 = 0.f;
       if (q < p.nq) {
         const long long row = ((long long)w.b * p.h + h) * p.nq + q;
         const float a = p.lse1[row];
-        if (a > -KL_INF) l1 = a * KL_LOG2E, l2 = p.lse2[row] * KL_LOG2E, g = p.grad[row] * p.scale2;
+        if (a > -KL_INF) {
+          const float g = p.grad[row] * p.scale;
+          t0 = a * KL_LOG2E;
+          if constexpr (SETTING == 1) t1 = p.lse2[row] * KL_LOG2E, t2 = g;
+          else t1 = g * KL_LN2, t2 = g * (p.lse2[row] - p.kl[row]);
+        }
       }
       mbar_wait(empty + 8 * stage, ((it / QSTAGES) & 1) ^ 1);
       float* rows = reinterpret_cast<float*>(__cvta_shared_to_generic(base + OFF_ROWS + stage * ROW_BYTES));
-      rows[r] = l1, rows[BM + r] = l2, rows[2 * BM + r] = g;
+      rows[r] = t0, rows[BM + r] = t1, rows[2 * BM + r] = t2;
       mbar_arrive(full + 8 * stage);  // release: the consumers' wait on full[s] sees the writes
     }
   }
@@ -197,10 +218,10 @@ KL_DEV void consume(const BwdParams& p, const BwdWork& w, int c, int tid, unsign
   }
   const int last_key = w.n0 + 64 * c + 63;
   const int col0 = c * DQ_N;
-  const unsigned dq_b0 = base + OFF_K2 + (col0 / 64) * SLAB_K + (col0 % 64) * 2;
-  float dk[D2P / 2];
+  const unsigned dq_b0 = base + OFF_KO + (col0 / 64) * SLAB_K + (col0 % 64) * 2;
+  float dk[DOP / 2];
 #pragma unroll
-  for (int x = 0; x < D2P / 2; ++x) dk[x] = 0.f;
+  for (int x = 0; x < DOP / 2; ++x) dk[x] = 0.f;
   float dq[DQ_NR];
   auto issue_dq = [&](int t) {  // dQ(t) from dS buffer t % 2, once both slabs are in
     const int b = t & 1;
@@ -222,11 +243,11 @@ KL_DEV void consume(const BwdParams& p, const BwdWork& w, int c, int tid, unsign
     for (int i = 0; i < 2; ++i) {
       const int q = q0 + 16 * warp + lane / 4 + 8 * i;
       if (q < p.nq) {
-        float* row = p.dq2 + (((long long)w.b * p.h + h) * p.nq + q) * p.d2;
+        float* row = p.dq + (((long long)w.b * p.h + h) * p.nq + q) * p.d;
 #pragma unroll
         for (int j = 0; j < DQ_N / 8; ++j) {
           const int col = col0 + 8 * j + 2 * (lane % 4);
-          if (col < p.d2) red_add2(row + col, dq[KL_IDX(j, i, 0)], dq[KL_IDX(j, i, 1)]);
+          if (col < p.d) red_add2(row + col, dq[KL_IDX(j, i, 0)], dq[KL_IDX(j, i, 1)]);
         }
       }
     }
@@ -238,13 +259,14 @@ KL_DEV void consume(const BwdParams& p, const BwdWork& w, int c, int tid, unsign
   }
   int prev_h = 0, prev_q0 = 0;
   for (int it = 0; it < w.iters; ++it) {
-    const int stage = it % QSTAGES, h = w.hk * p.g2 + it / w.per_head, q0 = (w.mt0 + it % w.per_head) * BM;
-    const unsigned q2_tile = base + OFF_Q2 + stage * Q2_BYTES;
+    const int stage = it % QSTAGES, h = w.hk * p.g_own + it / w.per_head, q0 = (w.mt0 + it % w.per_head) * BM;
+    const unsigned q1_tile = base + OFF_Q1 + stage * Q1_BYTES, q2_tile = base + OFF_Q2 + stage * Q2_BYTES;
+    const unsigned qo_tile = SETTING == 1 ? q2_tile : q1_tile;
     mbar_wait(full + 8 * stage, (it / QSTAGES) & 1);
     float s1[NR], s2[NR];
     unsigned a[BM / 4];
     wgmma_fence();
-    gemm_kq_rs<D1P>(s1, ka1, base + OFF_Q1 + stage * Q1_BYTES);
+    gemm_kq_rs<D1P>(s1, ka1, q1_tile);
     gemm_kq<D2P>(s2, base + OFF_K2, q2_tile, c);
     wgmma_commit();
     if (it > 0) issue_dq(it - 1);
@@ -258,14 +280,21 @@ KL_DEV void consume(const BwdParams& p, const BwdWork& w, int c, int tid, unsign
 #pragma unroll
     for (int j = 0; j < BM / 8; ++j) {
       const int col = 8 * j + 2 * (lane % 4);
-      const float2 l1 = *reinterpret_cast<const float2*>(rows + col);
-      const float2 l2 = *reinterpret_cast<const float2*>(rows + BM + col);
-      const float2 g = *reinterpret_cast<const float2*>(rows + 2 * BM + col);
+      const float2 t0 = *reinterpret_cast<const float2*>(rows + col);
+      const float2 t1 = *reinterpret_cast<const float2*>(rows + BM + col);
+      const float2 t2 = *reinterpret_cast<const float2*>(rows + 2 * BM + col);
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
         const int x = KL_IDX(j, i, 0);
-        float d0 = g.x * (ex2(fmaf(p.c2, s2[x], -l2.x)) - ex2(fmaf(p.c1, s1[x], -l1.x)));
-        float d1 = g.y * (ex2(fmaf(p.c2, s2[x + 1], -l2.y)) - ex2(fmaf(p.c1, s1[x + 1], -l1.y)));
+        float d0, d1;
+        if constexpr (SETTING == 1) {  // t0, t1, t2 = L1, L2, G
+          d0 = t2.x * (ex2(fmaf(p.c2, s2[x], -t1.x)) - ex2(fmaf(p.c1, s1[x], -t0.x)));
+          d1 = t2.y * (ex2(fmaf(p.c2, s2[x + 1], -t1.y)) - ex2(fmaf(p.c1, s1[x + 1], -t0.y)));
+        } else {  // t0, t1, t2 = L1, GL, B
+          const float e0 = fmaf(p.c1, s1[x], -t0.x), e1 = fmaf(p.c1, s1[x + 1], -t0.y);
+          d0 = ex2(e0) * fmaf(t1.x, fmaf(-p.c2, s2[x], e0), t2.x);
+          d1 = ex2(e1) * fmaf(t1.y, fmaf(-p.c2, s2[x + 1], e1), t2.y);
+        }
         if (masked) {
           d0 = key_ok[i] && q0 + col >= seen_from[i] ? d0 : 0.f;
           d1 = key_ok[i] && q0 + col + 1 >= seen_from[i] ? d1 : 0.f;
@@ -293,16 +322,16 @@ KL_DEV void consume(const BwdParams& p, const BwdWork& w, int c, int tid, unsign
     fence_proxy_async();
     mbar_arrive(ds_full + 8 * b);
     __syncwarp();
-    wgmma_fence();  // dK2 reads the fragments a; nothing touches them until its wait
+    wgmma_fence();  // dK reads the fragments a; nothing touches them until its wait
 #pragma unroll
     for (int kk = 0; kk < BM / 16; ++kk) {
 #pragma unroll
-      for (int ns = 0; ns < D2P / 64; ++ns)
+      for (int ns = 0; ns < DOP / 64; ++ns)
         wgmma_m64n64k16_rs_tb<true>(dk + 32 * ns, a + 4 * kk,
-                                    smem_desc_mn(q2_tile + ns * SLAB_Q + kk * 2048, SLAB_Q));
+                                    smem_desc_mn(qo_tile + ns * SLAB_Q + kk * 2048, SLAB_Q));
     }
     wgmma_commit();
-    wgmma_wait<1>();  // dQ(i - 1) is done; dK2(i) may run on
+    wgmma_wait<1>();  // dQ(i - 1) is done; dK(i) may run on
     if (it > 0) {
       fence_regs<DQ_NR>(dq);
       // one thread: dQ's reads of the buffer are the wgmma's (async proxy), complete for the whole
@@ -311,7 +340,7 @@ KL_DEV void consume(const BwdParams& p, const BwdWork& w, int c, int tid, unsign
       add_dq(prev_h, prev_q0);
     }
     wgmma_wait<0>();
-    fence_regs<D2P / 2>(dk);
+    fence_regs<DOP / 2>(dk);
     mbar_arrive(empty + 8 * stage);  // every thread: each releases its own reads of the row terms
     prev_h = h, prev_q0 = q0;
   }
@@ -323,18 +352,18 @@ KL_DEV void consume(const BwdParams& p, const BwdWork& w, int c, int tid, unsign
     fence_regs<DQ_NR>(dq);
     add_dq(prev_h, prev_q0);
   }
-  // dk2 of the thread's two keys: columns 64 ns + 8 j + 2 (lane % 4) (+1) of accumulator ns.
+  // dk of the thread's two keys: columns 64 ns + 8 j + 2 (lane % 4) (+1) of accumulator ns.
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     if (!key_ok[i]) continue;
     unsigned* row = reinterpret_cast<unsigned*>(
-        static_cast<unsigned short*>(p.dk2) + (((long long)w.b * (p.h / p.g2) + w.hk) * p.nk + key[i]) * p.d2);
+        static_cast<unsigned short*>(p.dk) + (((long long)w.b * (p.h / p.g_own) + w.hk) * p.nk + key[i]) * p.d);
 #pragma unroll
-    for (int ns = 0; ns < D2P / 64; ++ns) {
+    for (int ns = 0; ns < DOP / 64; ++ns) {
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
         const int col = 64 * ns + 8 * j + 2 * (lane % 4);
-        if (col < p.d2) row[col / 2] = pack2(dk[32 * ns + KL_IDX(j, i, 0)], dk[32 * ns + KL_IDX(j, i, 1)]);
+        if (col < p.d) row[col / 2] = pack2(dk[32 * ns + KL_IDX(j, i, 0)], dk[32 * ns + KL_IDX(j, i, 1)]);
       }
     }
   }
