@@ -100,13 +100,18 @@ def test_backward_declines_what_it_does_not_run(monkeypatch):
     spec, inputs = _spec((q, k2, q, k2))
     triton = _dispatch.implementation("triton", "attn_kl")
     one_side = (_bwd.SETTING1, _bwd.SETTING2, (False, False, True, False), (False, True, False, False))
-    for needs in one_side:
+    both_sides = ((True,) * 4, (True, False, True, False), (False, True, False, True))
+    for needs in one_side + both_sides:  # both sides at 8 query rows: one launch each
         assert backend.backward_declines(spec.with_needs(needs), inputs) is None
         assert _dispatch.backward_of(backend, spec.with_needs(needs), inputs) is backend
-    for needs in ((True,) * 4, (True, False, True, False), (False, True, False, True)):
-        assert "not both" in backend.backward_declines(spec.with_needs(needs), inputs)
-        assert _dispatch.backward_of(backend, spec.with_needs(needs), inputs) is triton
-    assert _bwd.setting((False,) * 4) is None
+    assert _bwd.sides((False,) * 4) == () and _bwd.sides((True,) * 4) == (1, 2)
+    long_q = torch.empty(1, 4, 65, 64, dtype=torch.bfloat16)
+    spec_65, inputs_65 = _spec((long_q, k2, long_q, k2))
+    for needs in both_sides:
+        assert "both sides" in backend.backward_declines(spec_65.with_needs(needs), inputs_65)
+        assert _dispatch.backward_of(backend, spec_65.with_needs(needs), inputs_65) is triton
+    for needs in one_side:
+        assert backend.backward_declines(spec_65.with_needs(needs), inputs_65) is None
     odd = torch.empty(1, 4, 8, 63, dtype=torch.bfloat16)
     spec_odd, inputs_odd = _spec((q, q, odd, odd))
     assert "(D2)" in backend.backward_declines(spec_odd.with_needs(_bwd.SETTING1), inputs_odd)
@@ -122,10 +127,31 @@ def test_backward_declines_what_it_does_not_run(monkeypatch):
     spec_0, inputs_0 = _spec((none, q[:, :1], none, q[:, :1]))
     assert backend.backward_declines(spec_0.with_needs(_bwd.SETTING1), inputs_0) is None
     # a direct call of what it declines is refused by name, before any launch (no GPU here)
-    with pytest.raises(NotImplementedError, match="not both"):
-        backend.backward(spec.with_needs((True,) * 4), inputs, None, None)
+    with pytest.raises(NotImplementedError, match="both sides"):
+        backend.backward(spec_65.with_needs((True,) * 4), inputs_65, None, None)
     monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
     assert "deterministic" in backend.backward_declines(spec.with_needs(_bwd.SETTING1), inputs)
+
+
+def test_backward_launch_plan(monkeypatch):
+    """One CTA per key tile above 64 query rows; at 64 or fewer about one CTA per SM for the key
+    heads of the differentiated side (never more CTAs than key tiles, at least one a head), with
+    the two-K-stage build."""
+    monkeypatch.setattr(_bwd, "_sm_count", lambda index: 132)
+    q = torch.empty(2, 32, 64, 64, dtype=torch.bfloat16)
+    k1 = torch.empty(2, 4, 32768, 64, dtype=torch.bfloat16)
+    k2 = torch.empty(2, 8, 32768, 64, dtype=torch.bfloat16)
+    spec, _ = _spec((q, k1, q, k2))
+    assert _bwd.launch_plan(spec, 1, 0) == (2, (8, 8, 2))  # 132 // 16 CTAs a key head of the student
+    assert _bwd.launch_plan(spec, 2, 0) == (2, (16, 4, 2))
+    spec, _ = _spec((q[:, :, :1], k1[:, :, :300], q[:, :, :1], k2[:, :, :300]))
+    assert _bwd.launch_plan(spec, 1, 0) == (2, (3, 8, 2))  # 3 key tiles
+    q_wide, k_wide = torch.empty(2, 256, 1, 64, dtype=torch.bfloat16), torch.empty(2, 256, 300, 64)
+    spec, _ = _spec((q_wide, k_wide.bfloat16(), q_wide, k_wide.bfloat16()))
+    assert _bwd.launch_plan(spec, 1, 0) == (2, (1, 256, 2))  # more key heads x batch than SMs
+    long_q = torch.empty(2, 32, 65, 64, dtype=torch.bfloat16)
+    spec, _ = _spec((long_q, k1, long_q, k2))
+    assert _bwd.launch_plan(spec, 1, 0) == (1, (256, 8, 2))
 
 
 def test_every_supported_head_dim_has_a_shipped_kernel():
@@ -590,9 +616,12 @@ def test_backward_teacher_and_student_groups(needs, cuda_backward):
 @gpu
 @sm90
 @SETTINGS
-@pytest.mark.parametrize("nq,nk", [(1, 4096), (16, 8192), (64, 1000)])
+@pytest.mark.parametrize("nq,nk", [(1, 4096), (16, 8192), (64, 1000), (65, 1000)])
 def test_backward_decode_shapes(nq, nk, needs, cuda_backward):
-    inputs = make_inputs(b=1, h=8, hk1=2, hk2=2, nq=nq, nk=nk, d1=128, d2=128, dtype=torch.bfloat16,
+    """At 64 query rows or fewer the launch walks several key tiles a CTA (32 key heads x batch
+    over the SMs: 8, 16 and 2 tiles a CTA here, and the last CTA of a head fewer); at 65 one tile
+    a CTA with two query tiles."""
+    inputs = make_inputs(b=2, h=16, hk1=16, hk2=16, nq=nq, nk=nk, d1=128, d2=128, dtype=torch.bfloat16,
                          device="cuda", seed=nq)  # fmt: skip
     for causal in (False, True):
         _check_backward(inputs, causal, needs)
@@ -608,6 +637,20 @@ def test_backward_one_gradient_of_a_pair(cuda_backward):
     for needs in ((False, False, True, False), (False, False, False, True), (True, False, False, False),
                   (False, True, False, False)):  # fmt: skip
         _check_backward(inputs, True, needs)
+
+
+@gpu
+@sm90
+@pytest.mark.parametrize("nq,nk", [(1, 4096), (64, 1000), (33, 200)])
+def test_backward_both_sides_at_decode_shapes(nq, nk, cuda_backward):
+    """Both sides' gradients at 64 query rows or fewer: one launch a side, on one set of
+    statistics."""
+    for dtype in (torch.bfloat16, torch.float16):
+        inputs = make_inputs(b=2, h=4, hk1=2, hk2=2, nq=nq, nk=nk, d1=64, d2=128, dtype=dtype, device="cuda",
+                             seed=nq)  # fmt: skip
+        for causal in (False, True):
+            _check_backward(inputs, causal, (True,) * 4)
+        _check_backward(inputs, True, (True, False, False, True))
 
 
 @gpu
