@@ -152,60 +152,70 @@ KL_DEV void gemm_kq(float* s, unsigned k_tile, unsigned q_tile, int c) {
   }
 }
 
-KL_DEV void produce(const BwdParams& p, int tid, unsigned base) {
+// The loads and row terms of one key tile (counters kit, git: the key tiles and query tiles this
+// CTA loaded before it).
+KL_DEV void produce_tile(const BwdParams& p, const BwdWork& w, int tid, unsigned base, int kit, int git) {
   const BwdBars bars = bwd_bars(base);
+  if (tid == 0) {
+    const int ks = kit % KSTAGES;
+    if (KSTAGES > 1) mbar_wait(bars.k_empty + 8 * ks, ((kit / KSTAGES) & 1) ^ 1);  // its last key tile is done
+    const unsigned kb = bars.k_full + 8 * ks, k1 = base + OFF_K1 + ks * K_STAGE;
+    const unsigned k2 = base + OFF_K2 + ks * K_STAGE;
+    mbar_expect_tx(kb, K1_BYTES + K2_BYTES);
+#pragma unroll
+    for (int s = 0; s < D1P / 64; ++s) tma_load_4d(k1 + s * SLAB_K, &p.k1, 64 * s, w.n0, w.kh1, w.b, kb);
+#pragma unroll
+    for (int s = 0; s < D2P / 64; ++s) tma_load_4d(k2 + s * SLAB_K, &p.k2, 64 * s, w.n0, w.kh2, w.b, kb);
+    for (int it = 0; it < w.iters; ++it) {
+      const int g = git + it, stage = g % QSTAGES;
+      const int h = w.hk * p.g_own + it / w.per_head, q0 = (w.mt0 + it % w.per_head) * BM;
+      mbar_wait(bars.empty + 8 * stage, ((g / QSTAGES) & 1) ^ 1);
+      const unsigned bar = bars.full + 8 * stage;
+      mbar_expect_tx(bar, Q1_BYTES + Q2_BYTES);
+#pragma unroll
+      for (int s = 0; s < D1P / 64; ++s)
+        tma_load_4d(base + OFF_Q1 + stage * Q1_BYTES + s * SLAB_Q, &p.q1, 64 * s, q0, h, w.b, bar);
+#pragma unroll
+      for (int s = 0; s < D2P / 64; ++s)
+        tma_load_4d(base + OFF_Q2 + stage * Q2_BYTES + s * SLAB_Q, &p.q2, 64 * s, q0, h, w.b, bar);
+    }
+  } else if (tid >= 64) {  // one thread per row of the tile: its three row terms
+    const int r = tid - 64;
+    for (int it = 0; it < w.iters; ++it) {
+      const int g = git + it, stage = g % QSTAGES;
+      const int h = w.hk * p.g_own + it / w.per_head, q = (w.mt0 + it % w.per_head) * BM + r;
+      // Rows past Nq or that saw no key: P = 0 and dS = 0. Setting 2 takes a finite L1 there,
+      // so that its GL (c1 S1 - L1 - c2 S2) is 0 x finite, not 0 x inf.
+      float t0 = SETTING == 1 ? KL_INF : 1e30f, t1 = SETTING == 1 ? KL_INF : 0.f, t2 = 0.f;
+      if (q < p.nq) {
+        const long long row = ((long long)w.b * p.h + h) * p.nq + q;
+        const float a = p.lse1[row];
+        if (a > -KL_INF) {
+          const float gr = p.grad[row] * p.scale;
+          t0 = a * KL_LOG2E;
+          if constexpr (SETTING == 1) t1 = p.lse2[row] * KL_LOG2E, t2 = gr;
+          else t1 = gr * KL_LN2, t2 = gr * (p.lse2[row] - p.kl[row]);
+        }
+      }
+      mbar_wait(bars.empty + 8 * stage, ((g / QSTAGES) & 1) ^ 1);
+      float* rows = reinterpret_cast<float*>(__cvta_shared_to_generic(base + OFF_ROWS + stage * ROW_BYTES));
+      rows[r] = t0, rows[BM + r] = t1, rows[2 * BM + r] = t2;
+      mbar_arrive(bars.full + 8 * stage);  // release: the consumers' wait on full[s] sees the writes
+    }
+  }
+}
+
+KL_DEV void produce(const BwdParams& p, const BwdWork& w0, int tid, unsigned base) {
+  if constexpr (KSTAGES == 1) {  // one key tile a CTA (w0): the counters are compile-time zeros
+    if (w0.iters > 0) produce_tile(p, w0, tid, base, 0, 0);
+    return;
+  }
   const int key_tiles = (p.nk + BN - 1) / BN;
-  int kit = 0, git = 0;  // the key tiles and query tiles this CTA has loaded before this one
+  int kit = 0, git = 0;
   for (int x = blockIdx.x; x < key_tiles; x += gridDim.x) {
     const BwdWork w = bwd_work(p, x);
     if (w.iters == 0) continue;  // no query tile: nothing to load (the consumers write zeros)
-    if (tid == 0) {
-      const int ks = kit % KSTAGES;
-      mbar_wait(bars.k_empty + 8 * ks, ((kit / KSTAGES) & 1) ^ 1);  // its last key tile is done
-      const unsigned kb = bars.k_full + 8 * ks, k1 = base + OFF_K1 + ks * K_STAGE;
-      const unsigned k2 = base + OFF_K2 + ks * K_STAGE;
-      mbar_expect_tx(kb, K1_BYTES + K2_BYTES);
-#pragma unroll
-      for (int s = 0; s < D1P / 64; ++s) tma_load_4d(k1 + s * SLAB_K, &p.k1, 64 * s, w.n0, w.kh1, w.b, kb);
-#pragma unroll
-      for (int s = 0; s < D2P / 64; ++s) tma_load_4d(k2 + s * SLAB_K, &p.k2, 64 * s, w.n0, w.kh2, w.b, kb);
-      for (int it = 0; it < w.iters; ++it) {
-        const int g = git + it, stage = g % QSTAGES;
-        const int h = w.hk * p.g_own + it / w.per_head, q0 = (w.mt0 + it % w.per_head) * BM;
-        mbar_wait(bars.empty + 8 * stage, ((g / QSTAGES) & 1) ^ 1);
-        const unsigned bar = bars.full + 8 * stage;
-        mbar_expect_tx(bar, Q1_BYTES + Q2_BYTES);
-#pragma unroll
-        for (int s = 0; s < D1P / 64; ++s)
-          tma_load_4d(base + OFF_Q1 + stage * Q1_BYTES + s * SLAB_Q, &p.q1, 64 * s, q0, h, w.b, bar);
-#pragma unroll
-        for (int s = 0; s < D2P / 64; ++s)
-          tma_load_4d(base + OFF_Q2 + stage * Q2_BYTES + s * SLAB_Q, &p.q2, 64 * s, q0, h, w.b, bar);
-      }
-    } else if (tid >= 64) {  // one thread per row of the tile: its three row terms
-      const int r = tid - 64;
-      for (int it = 0; it < w.iters; ++it) {
-        const int g = git + it, stage = g % QSTAGES;
-        const int h = w.hk * p.g_own + it / w.per_head, q = (w.mt0 + it % w.per_head) * BM + r;
-        // Rows past Nq or that saw no key: P = 0 and dS = 0. Setting 2 takes a finite L1 there,
-        // so that its GL (c1 S1 - L1 - c2 S2) is 0 x finite, not 0 x inf.
-        float t0 = SETTING == 1 ? KL_INF : 1e30f, t1 = SETTING == 1 ? KL_INF : 0.f, t2 = 0.f;
-        if (q < p.nq) {
-          const long long row = ((long long)w.b * p.h + h) * p.nq + q;
-          const float a = p.lse1[row];
-          if (a > -KL_INF) {
-            const float gr = p.grad[row] * p.scale;
-            t0 = a * KL_LOG2E;
-            if constexpr (SETTING == 1) t1 = p.lse2[row] * KL_LOG2E, t2 = gr;
-            else t1 = gr * KL_LN2, t2 = gr * (p.lse2[row] - p.kl[row]);
-          }
-        }
-        mbar_wait(bars.empty + 8 * stage, ((g / QSTAGES) & 1) ^ 1);
-        float* rows = reinterpret_cast<float*>(__cvta_shared_to_generic(base + OFF_ROWS + stage * ROW_BYTES));
-        rows[r] = t0, rows[BM + r] = t1, rows[2 * BM + r] = t2;
-        mbar_arrive(bars.full + 8 * stage);  // release: the consumers' wait on full[s] sees the writes
-      }
-    }
+    produce_tile(p, w, tid, base, kit, git);
     ++kit, git += w.iters;
   }
 }
@@ -274,105 +284,109 @@ KL_DEV void consume_tile(const BwdParams& p, const BwdWork& w, int c, int tid, u
       }
     }
   };
+  unsigned ka1[D1P / 4];  // the consumer's K1 rows, the A operand of every S1 GEMM
   if (w.iters > 0) {
-    unsigned ka1[D1P / 4];  // the consumer's K1 rows, the A operand of every S1 GEMM
     mbar_wait(bars.k_full + 8 * ks, (kit / KSTAGES) & 1);
     load_afrag<D1P, SLAB_K>(ka1, k_stage + OFF_K1 + c * 64 * 128, warp, lane);
-    int prev_h = 0, prev_q0 = 0;
-    for (int it = 0; it < w.iters; ++it) {
-      const int g = git + it, stage = g % QSTAGES;
-      const int h = w.hk * p.g_own + it / w.per_head, q0 = (w.mt0 + it % w.per_head) * BM;
-      const unsigned q1_tile = base + OFF_Q1 + stage * Q1_BYTES, q2_tile = base + OFF_Q2 + stage * Q2_BYTES;
-      const unsigned qo_tile = SETTING == 1 ? q2_tile : q1_tile;
-      mbar_wait(full + 8 * stage, (g / QSTAGES) & 1);
-      float s1[NR], s2[NR];
-      unsigned a[BM / 4];
-      wgmma_fence();
-      gemm_kq_rs<D1P>(s1, ka1, q1_tile);
-      gemm_kq<D2P>(s2, k_stage + OFF_K2, q2_tile, c);
-      wgmma_commit();
-      if (it > 0) issue_dq(g - 1);
-      wgmma_commit();  // dQ(i - 1); empty on a key tile's first, so every tile waits on the same counts
-      wgmma_wait<1>();  // S(i) is done; dQ(i - 1) runs under the dS update
-      fence_regs<NR>(s1);
-      fence_regs<NR>(s2);
-      const float* rows =
-          reinterpret_cast<const float*>(__cvta_shared_to_generic(base + OFF_ROWS + stage * ROW_BYTES));
-      const bool masked = last_key >= p.nk || (p.causal && q0 + off < last_key);
+  }
+  int prev_h = 0, prev_q0 = 0;
+  for (int it = 0; it < w.iters; ++it) {
+    const int g = git + it, stage = g % QSTAGES;
+    const int h = w.hk * p.g_own + it / w.per_head, q0 = (w.mt0 + it % w.per_head) * BM;
+    const unsigned q1_tile = base + OFF_Q1 + stage * Q1_BYTES, q2_tile = base + OFF_Q2 + stage * Q2_BYTES;
+    const unsigned qo_tile = SETTING == 1 ? q2_tile : q1_tile;
+    mbar_wait(full + 8 * stage, (g / QSTAGES) & 1);
+    float s1[NR], s2[NR];
+    unsigned a[BM / 4];
+    wgmma_fence();
+    gemm_kq_rs<D1P>(s1, ka1, q1_tile);
+    gemm_kq<D2P>(s2, k_stage + OFF_K2, q2_tile, c);
+    wgmma_commit();
+    if (it > 0) issue_dq(g - 1);
+    wgmma_commit();  // dQ(i - 1); empty on a key tile's first, so every tile waits on the same counts
+    wgmma_wait<1>();  // S(i) is done; dQ(i - 1) runs under the dS update
+    fence_regs<NR>(s1);
+    fence_regs<NR>(s2);
+    const float* rows =
+        reinterpret_cast<const float*>(__cvta_shared_to_generic(base + OFF_ROWS + stage * ROW_BYTES));
+    const bool masked = last_key >= p.nk || (p.causal && q0 + off < last_key);
 #pragma unroll
-      for (int j = 0; j < BM / 8; ++j) {
-        const int col = 8 * j + 2 * (lane % 4);
-        const float2 t0 = *reinterpret_cast<const float2*>(rows + col);
-        const float2 t1 = *reinterpret_cast<const float2*>(rows + BM + col);
-        const float2 t2 = *reinterpret_cast<const float2*>(rows + 2 * BM + col);
+    for (int j = 0; j < BM / 8; ++j) {
+      const int col = 8 * j + 2 * (lane % 4);
+      const float2 t0 = *reinterpret_cast<const float2*>(rows + col);
+      const float2 t1 = *reinterpret_cast<const float2*>(rows + BM + col);
+      const float2 t2 = *reinterpret_cast<const float2*>(rows + 2 * BM + col);
 #pragma unroll
-        for (int i = 0; i < 2; ++i) {
-          const int x = KL_IDX(j, i, 0);
-          float d0, d1;
-          if constexpr (SETTING == 1) {  // t0, t1, t2 = L1, L2, G
-            d0 = t2.x * (ex2(fmaf(p.c2, s2[x], -t1.x)) - ex2(fmaf(p.c1, s1[x], -t0.x)));
-            d1 = t2.y * (ex2(fmaf(p.c2, s2[x + 1], -t1.y)) - ex2(fmaf(p.c1, s1[x + 1], -t0.y)));
-          } else {  // t0, t1, t2 = L1, GL, B
-            const float e0 = fmaf(p.c1, s1[x], -t0.x), e1 = fmaf(p.c1, s1[x + 1], -t0.y);
-            d0 = ex2(e0) * fmaf(t1.x, fmaf(-p.c2, s2[x], e0), t2.x);
-            d1 = ex2(e1) * fmaf(t1.y, fmaf(-p.c2, s2[x + 1], e1), t2.y);
-          }
-          if (masked) {
-            d0 = key_ok[i] && q0 + col >= seen_from[i] ? d0 : 0.f;
-            d1 = key_ok[i] && q0 + col + 1 >= seen_from[i] ? d1 : 0.f;
-          }
-          a[4 * (j / 2) + 2 * (j % 2) + i] = pack2(d0, d1);
+      for (int i = 0; i < 2; ++i) {
+        const int x = KL_IDX(j, i, 0);
+        float d0, d1;
+        if constexpr (SETTING == 1) {  // t0, t1, t2 = L1, L2, G
+          d0 = t2.x * (ex2(fmaf(p.c2, s2[x], -t1.x)) - ex2(fmaf(p.c1, s1[x], -t0.x)));
+          d1 = t2.y * (ex2(fmaf(p.c2, s2[x + 1], -t1.y)) - ex2(fmaf(p.c1, s1[x + 1], -t0.y)));
+        } else {  // t0, t1, t2 = L1, GL, B
+          const float e0 = fmaf(p.c1, s1[x], -t0.x), e1 = fmaf(p.c1, s1[x + 1], -t0.y);
+          d0 = ex2(e0) * fmaf(t1.x, fmaf(-p.c2, s2[x], e0), t2.x);
+          d1 = ex2(e1) * fmaf(t1.y, fmaf(-p.c2, s2[x + 1], e1), t2.y);
         }
-      }
-      const int b = g & 1;
-      mbar_wait(ds_empty + 8 * b, ((g >> 1) & 1) ^ 1);  // both dQ(g - 2) read this buffer
-      const unsigned ds = base + OFF_DS + b * DS_BYTES;
-#pragma unroll
-      for (int j = 0; j < BM / 8; ++j) {
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-          const unsigned v = a[4 * (j / 2) + 2 * (j % 2) + i];
-          const int kc = 16 * warp + lane / 4 + 8 * i;
-#pragma unroll
-          for (int k = 0; k < 2; ++k) {
-            const int q = 8 * j + 2 * (lane % 4) + k;
-            const unsigned addr = ds + c * SLAB_Q + q * 128 + ((((kc >> 3) ^ (q & 7)) << 4) | ((kc & 7) << 1));
-            sts16(addr, (unsigned short)(k ? v >> 16 : v & 0xFFFF));
-          }
+        if (masked) {
+          d0 = key_ok[i] && q0 + col >= seen_from[i] ? d0 : 0.f;
+          d1 = key_ok[i] && q0 + col + 1 >= seen_from[i] ? d1 : 0.f;
         }
+        a[4 * (j / 2) + 2 * (j % 2) + i] = pack2(d0, d1);
       }
-      fence_proxy_async();
-      mbar_arrive(ds_full + 8 * b);
-      __syncwarp();
-      wgmma_fence();  // dK reads the fragments a; nothing touches them until its wait
-#pragma unroll
-      for (int kk = 0; kk < BM / 16; ++kk) {
-#pragma unroll
-        for (int ns = 0; ns < DOP / 64; ++ns)
-          wgmma_m64n64k16_rs_tb<true>(dk + 32 * ns, a + 4 * kk,
-                                      smem_desc_mn(qo_tile + ns * SLAB_Q + kk * 2048, SLAB_Q));
-      }
-      wgmma_commit();
-      wgmma_wait<1>();  // dQ(i - 1) is done; dK(i) may run on
-      if (it > 0) {
-        fence_regs<DQ_NR>(dq);
-        // one thread: dQ's reads of the buffer are the wgmma's (async proxy), complete for the
-        // whole warpgroup once wait_group returns; this thread releases no plain loads of it
-        if (tid == 0) mbar_arrive(ds_empty + 8 * ((g - 1) & 1));
-        add_dq(prev_h, prev_q0);
-      }
-      wgmma_wait<0>();
-      fence_regs<DOP / 2>(dk);
-      mbar_arrive(empty + 8 * stage);  // every thread: each releases its own reads of the row terms
-      prev_h = h, prev_q0 = q0;
     }
+    const int b = g & 1;
+    mbar_wait(ds_empty + 8 * b, ((g >> 1) & 1) ^ 1);  // both dQ(g - 2) read this buffer
+    const unsigned ds = base + OFF_DS + b * DS_BYTES;
+#pragma unroll
+    for (int j = 0; j < BM / 8; ++j) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const unsigned v = a[4 * (j / 2) + 2 * (j % 2) + i];
+        const int kc = 16 * warp + lane / 4 + 8 * i;
+#pragma unroll
+        for (int k = 0; k < 2; ++k) {
+          const int q = 8 * j + 2 * (lane % 4) + k;
+          const unsigned addr = ds + c * SLAB_Q + q * 128 + ((((kc >> 3) ^ (q & 7)) << 4) | ((kc & 7) << 1));
+          sts16(addr, (unsigned short)(k ? v >> 16 : v & 0xFFFF));
+        }
+      }
+    }
+    fence_proxy_async();
+    mbar_arrive(ds_full + 8 * b);
+    __syncwarp();
+    wgmma_fence();  // dK reads the fragments a; nothing touches them until its wait
+#pragma unroll
+    for (int kk = 0; kk < BM / 16; ++kk) {
+#pragma unroll
+      for (int ns = 0; ns < DOP / 64; ++ns)
+        wgmma_m64n64k16_rs_tb<true>(dk + 32 * ns, a + 4 * kk,
+                                    smem_desc_mn(qo_tile + ns * SLAB_Q + kk * 2048, SLAB_Q));
+    }
+    wgmma_commit();
+    wgmma_wait<1>();  // dQ(i - 1) is done; dK(i) may run on
+    if (it > 0) {
+      fence_regs<DQ_NR>(dq);
+      // one thread: dQ's reads of the buffer are the wgmma's (async proxy), complete for the
+      // whole warpgroup once wait_group returns; this thread releases no plain loads of it
+      if (tid == 0) mbar_arrive(ds_empty + 8 * ((g - 1) & 1));
+      add_dq(prev_h, prev_q0);
+    }
+    wgmma_wait<0>();
+    fence_regs<DOP / 2>(dk);
+    mbar_arrive(empty + 8 * stage);  // every thread: each releases its own reads of the row terms
+    prev_h = h, prev_q0 = q0;
+  }
+  if (w.iters > 0) {
     wgmma_fence();
     issue_dq(git + w.iters - 1);
     wgmma_commit();
     wgmma_wait<0>();
     fence_regs<DQ_NR>(dq);
-    if (tid == 0) mbar_arrive(ds_empty + 8 * ((git + w.iters - 1) & 1));  // the next key tile reuses it
-    mbar_arrive(bars.k_empty + 8 * ks);  // every thread: its K fragment loads and GEMMs are done
+    if constexpr (KSTAGES > 1) {  // the next key tile reuses the dS buffer and, later, the K stage
+      if (tid == 0) mbar_arrive(ds_empty + 8 * ((git + w.iters - 1) & 1));
+      mbar_arrive(bars.k_empty + 8 * ks);  // every thread: its K fragment loads and GEMMs are done
+    }
     add_dq(prev_h, prev_q0);
   }
   // dk of the thread's two keys: columns 64 ns + 8 j + 2 (lane % 4) (+1) of accumulator ns.
@@ -392,7 +406,11 @@ KL_DEV void consume_tile(const BwdParams& p, const BwdWork& w, int c, int tid, u
   }
 }
 
-KL_DEV void consume(const BwdParams& p, int c, int tid, unsigned base) {
+KL_DEV void consume(const BwdParams& p, const BwdWork& w0, int c, int tid, unsigned base) {
+  if constexpr (KSTAGES == 1) {  // one key tile a CTA (w0): the counters are compile-time zeros
+    consume_tile(p, w0, c, tid, base, 0, 0);
+    return;
+  }
   const int key_tiles = (p.nk + BN - 1) / BN;
   int kit = 0, git = 0;
   for (int x = blockIdx.x; x < key_tiles; x += gridDim.x) {
@@ -406,6 +424,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kl_bwd(const __grid_con
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const unsigned base = (smem_addr(smem_raw) + 1023u) & ~1023u;
   const BwdBars bars = bwd_bars(base);
+  const BwdWork w0 = bwd_work(p, blockIdx.x);
   const int tid = threadIdx.x;
   unsigned dyn_smem;
   asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_smem));
@@ -432,9 +451,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kl_bwd(const __grid_con
   __syncthreads();
   if (tid < 128) {
     regs_dec<REG_PROD>();
-    produce(p, tid, base);
+    produce(p, w0, tid, base);
     return;
   }
   regs_inc<REG_CONS>();
-  consume(p, __shfl_sync(0xffffffffu, tid / 128, 0) - 1, tid % 128, base);
+  consume(p, w0, __shfl_sync(0xffffffffu, tid / 128, 0) - 1, tid % 128, base);
 }
