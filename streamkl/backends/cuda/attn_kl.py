@@ -1,5 +1,5 @@
 """attn_kl on the cuda backend (streamkl/_backend.py's protocol): the forward is a
-warp-specialized TMA + wgmma kernel (kernels/kl_fwd.cu); the backward of setting 1 (dq2, dk2) is
+warp-specialized TMA + wgmma kernel (kernels/kl_fwd.cu); the backward of either setting is
 another (kernels/kl_bwd.cu, _bwd.declines says which calls it runs), and the triton backend's
 backward, run on this forward's (kl, lse1, lse2), serves the rest, so `supports` admits only
 inputs triton runs too."""
