@@ -230,6 +230,8 @@ def test_a_forward_only_backend_runs_with_the_backward_it_borrows(capsys, monkey
     monkeypatch.setattr(cuda, "supports", lambda spec, inputs: None)
     monkeypatch.setattr(cuda, "forward", reference.forward)
     monkeypatch.setattr(cuda, "backward_backend", "reference")
+    # its own backward declines (on CPU tensors it could not run; the real forward refuses them)
+    monkeypatch.setattr(cuda, "backward_declines", lambda spec, inputs: "borrowed for this test")
     assert main([*SMALL, "--backend", "cuda"]) == 0
     assert _row(capsys.readouterr().out, "cuda (+reference backward)")[2] == "ok"
 
