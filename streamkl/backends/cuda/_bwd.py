@@ -35,6 +35,13 @@ SETTING1 = (False, False, True, True)  # spec.needs of setting 1: dq2 and dk2
 SETTING2 = (True, True, False, False)  # spec.needs of setting 2: dq1 and dk1
 
 
+def decode_shape(spec: AttnKLSpec) -> bool:
+    """BM query rows or fewer: one query tile per key tile. The decode launch runs there
+    (launch_plan), and so does a backward of both sides (declines): the measured rule of
+    docs/cuda.md, "The backward"."""
+    return spec.nq <= BM
+
+
 def sides(needs) -> tuple[int, ...]:
     """The settings whose kernels form the gradients `needs` asks for: 1 for any of q2, k2 and 2
     for any of q1, k1 (one launch each)."""
@@ -80,7 +87,7 @@ def declines(spec: AttnKLSpec, inputs: AttnKLInputs) -> str | None:
     if _env.cuda_bwd() == "triton":
         return "STREAMKL_CUDA_BWD=triton asks for the triton backward"
     settings = sides(spec.needs)
-    if len(settings) == 2 and spec.nq > BM:
+    if len(settings) == 2 and not decode_shape(spec):
         return (
             "both sides' gradients above 64 query rows run on triton's one-pass backward (the cuda "
             "kernel's two launches, one a side, are slower there)"
@@ -129,7 +136,7 @@ def launch_plan(spec: AttnKLSpec, s: int, index: int) -> tuple[int, tuple[int, i
     each walking several key tiles with the next one's K loading under this one (KSTAGES 2;
     docs/cuda.md has the measured rule)."""
     key_tiles, heads = -(-spec.nk // BN), spec.heads_kv2 if s == 1 else spec.heads_kv1
-    if spec.nq > BM:
+    if not decode_shape(spec):
         return 1, (key_tiles, heads, spec.batch)
     per_head = max(1, _sm_count(index) // max(1, heads * spec.batch))
     return 2, (min(key_tiles, per_head), heads, spec.batch)

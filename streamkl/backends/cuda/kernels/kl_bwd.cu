@@ -158,7 +158,7 @@ KL_DEV void produce_tile(const BwdParams& p, const BwdWork& w, int tid, unsigned
   const BwdBars bars = bwd_bars(base);
   if (tid == 0) {
     const int ks = kit % KSTAGES;
-    if (KSTAGES > 1) mbar_wait(bars.k_empty + 8 * ks, ((kit / KSTAGES) & 1) ^ 1);  // its last key tile is done
+    if constexpr (KSTAGES > 1) mbar_wait(bars.k_empty + 8 * ks, ((kit / KSTAGES) & 1) ^ 1);  // its last tile is done
     const unsigned kb = bars.k_full + 8 * ks, k1 = base + OFF_K1 + ks * K_STAGE;
     const unsigned k2 = base + OFF_K2 + ks * K_STAGE;
     mbar_expect_tx(kb, K1_BYTES + K2_BYTES);
